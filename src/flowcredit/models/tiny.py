@@ -1,0 +1,316 @@
+"""The built-in tiny text-to-image flow model (the embedded default): a small DiT over pixels with a word-level
+text encoder over the closed shapes vocabulary. No download: the tokenizer is built from the vocabulary.
+
+Conventions follow SD3 (ALGORITHMS.md §1.1): t = 1 is noise, t = 0 is data, x_t = (1 − t)·x0 + t·x1, the network
+predicts v = x1 − x0, and it is called with t ∈ [0, 1] (embedded as 1000·t, like diffusers' `timestep`).
+Latents are pixels scaled to [−1, 1], shape (3, R, R).
+
+Architecture (a single-stream "MMDiT-lite", after the calibration prototype, CALIBRATION.md):
+  * image: patchify p×p → linear → + fixed 2-D sin-cos position embeddings (learned ones gave patch confetti);
+  * text: word embeddings + learned positions → 1 transformer layer; pooled = mean over valid tokens;
+  * text tokens and image tokens are concatenated into one sequence; each block is self-attention + MLP with
+    adaLN-zero modulation from (timestep embedding + pooled text);
+  * final adaLN + linear back to patches; only image tokens are read out.
+Classifier-free guidance uses the empty prompt "" (only the [CLS] token), trained by prompt dropout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..types import Cond
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tokenizer: word level, built from the closed vocabulary
+# ---------------------------------------------------------------------------------------------------------------
+
+SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[UNK]")
+
+
+def default_vocabulary() -> list[str]:
+    """Every word the shapes prompt generator can write (GenEval templates over shapes and colours)."""
+    from ..shapes.vocab import ALL_SHAPES, COLOR_NAMES, NUMBER_WORDS, RELATIONS, plural
+
+    words = ["a", "an", "photo", "of", "and"]
+    words += list(COLOR_NAMES)
+    words += list(ALL_SHAPES) + [plural(s) for s in ALL_SHAPES]
+    words += list(NUMBER_WORDS.values())
+    for rel in RELATIONS:
+        words += rel.split()
+    seen: list[str] = []
+    for w in words:
+        if w not in seen:
+            seen.append(w)
+    return seen
+
+
+class WordTokenizer:
+    """Lower-case whitespace tokenizer over a fixed word list. Unknown words map to [UNK]."""
+
+    def __init__(self, words: Sequence[str], max_length: int = 16):
+        self.words = list(words)
+        self.itos = list(SPECIAL_TOKENS) + self.words
+        self.stoi = {w: i for i, w in enumerate(self.itos)}
+        self.max_length = max_length
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.itos)
+
+    def split(self, text: str) -> list[str]:
+        return re.findall(r"[a-z0-9]+", text.lower())
+
+    def __call__(self, prompts: Sequence[str]) -> tuple[Tensor, Tensor]:
+        """Tokenize B prompts.
+
+        Returns:
+            ids: (B, L) int64 with [CLS] first, then words, then [PAD]; L = max_length.
+            mask: (B, L) bool, True for real tokens.
+        """
+        L = self.max_length
+        ids = torch.zeros(len(prompts), L, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            toks = [self.stoi["[CLS]"]] + [self.stoi.get(w, self.stoi["[UNK]"]) for w in self.split(p)]
+            toks = toks[:L]
+            ids[b, : len(toks)] = torch.tensor(toks)
+        return ids, ids != 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Network
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TinyDiTConfig:
+    """Architecture of the tiny DiT (saved as JSON next to the weights)."""
+
+    resolution: int = 32
+    channels: int = 3
+    patch: int = 4
+    width: int = 192
+    depth: int = 4
+    heads: int = 4
+    mlp_ratio: float = 4.0
+    text_layers: int = 1
+    max_text_len: int = 16
+    vocabulary: list[str] = field(default_factory=default_vocabulary)
+
+    @property
+    def num_patches(self) -> int:
+        return (self.resolution // self.patch) ** 2
+
+
+def sincos_2d(width: int, grid: int) -> Tensor:
+    """Fixed 2-D sin-cos position embeddings (MAE/DiT style). Returns (grid², width)."""
+    assert width % 4 == 0
+    d = width // 4
+    omega = 1.0 / (10000 ** (torch.arange(d, dtype=torch.float64) / d))
+    ys, xs = torch.meshgrid(torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64), indexing="ij")
+    out = []
+    for pos in (ys.reshape(-1), xs.reshape(-1)):
+        a = pos[:, None] * omega[None, :]
+        out += [torch.sin(a), torch.cos(a)]
+    return torch.cat(out, dim=1).float()
+
+
+def timestep_embedding(t: Tensor, dim: int, max_period: float = 10000.0) -> Tensor:
+    """Sinusoidal embedding of 1000·t. t: (B,) → (B, dim)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = (1000.0 * t.float())[:, None] * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block with adaLN-zero modulation."""
+
+    def __init__(self, width: int, heads: int, mlp_ratio: float):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
+        hidden = int(width * mlp_ratio)
+        self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, width))
+        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(width, 6 * width))
+        nn.init.zeros_(self.ada[1].weight)
+        nn.init.zeros_(self.ada[1].bias)
+
+    def forward(self, x: Tensor, c: Tensor, attn_mask: Tensor | None) -> Tensor:
+        """x: (B, N, D) tokens; c: (B, D) conditioning; attn_mask: (B, 1, 1, N) bool (True = attend) or None."""
+        B, N, D = x.shape
+        s1, sc1, g1, s2, sc2, g2 = self.ada(c).chunk(6, dim=-1)
+        h = modulate(self.norm1(x), s1, sc1)
+        q, k, v = self.qkv(h).view(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        x = x + g1[:, None] * self.proj(a.transpose(1, 2).reshape(B, N, D))
+        x = x + g2[:, None] * self.mlp(modulate(self.norm2(x), s2, sc2))
+        return x
+
+
+class TextEncoder(nn.Module):
+    """Word embeddings + learned positions + a few transformer layers. Returns tokens (B, L, D) and pooled (B, D)."""
+
+    def __init__(self, vocab_size: int, width: int, heads: int, layers: int, max_len: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, width)
+        self.pos = nn.Parameter(torch.randn(max_len, width) * 0.02)
+        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+        self.layers = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        h = self.embed(ids) + self.pos[: ids.shape[1]]
+        h = self.norm(self.layers(h, src_key_padding_mask=~mask))
+        m = mask.to(h.dtype)[..., None]
+        pooled = (h * m).sum(1) / m.sum(1).clamp_min(1.0)
+        return h, pooled
+
+
+class TinyDiT(nn.Module):
+    """Velocity network v_θ(x_t, t, text). See the module docstring for the architecture."""
+
+    def __init__(self, cfg: TinyDiTConfig):
+        super().__init__()
+        self.cfg = cfg
+        D, p, C = cfg.width, cfg.patch, cfg.channels
+        self.text = TextEncoder(len(SPECIAL_TOKENS) + len(cfg.vocabulary), D, cfg.heads, cfg.text_layers, cfg.max_text_len)
+        self.patch_in = nn.Linear(C * p * p, D)
+        self.register_buffer("pos_img", sincos_2d(D, cfg.resolution // p), persistent=False)
+        self.t_mlp = nn.Sequential(nn.Linear(D, D), nn.SiLU(), nn.Linear(D, D))
+        self.pool_mlp = nn.Sequential(nn.Linear(D, D), nn.SiLU(), nn.Linear(D, D))
+        self.blocks = nn.ModuleList([Block(D, cfg.heads, cfg.mlp_ratio) for _ in range(cfg.depth)])
+        self.norm_out = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
+        self.ada_out = nn.Sequential(nn.SiLU(), nn.Linear(D, 2 * D))
+        self.patch_out = nn.Linear(D, C * p * p)
+        nn.init.zeros_(self.ada_out[1].weight)
+        nn.init.zeros_(self.ada_out[1].bias)
+        nn.init.zeros_(self.patch_out.weight)
+        nn.init.zeros_(self.patch_out.bias)
+
+    def patchify(self, x: Tensor) -> Tensor:
+        B, C, H, W = x.shape
+        p = self.cfg.patch
+        return x.reshape(B, C, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5).reshape(B, (H // p) * (W // p), C * p * p)
+
+    def unpatchify(self, tok: Tensor) -> Tensor:
+        B, N, _ = tok.shape
+        p, C, R = self.cfg.patch, self.cfg.channels, self.cfg.resolution
+        g = R // p
+        return tok.reshape(B, g, g, C, p, p).permute(0, 3, 1, 4, 2, 5).reshape(B, C, R, R)
+
+    def forward(self, x_t: Tensor, t: Tensor, ids: Tensor, mask: Tensor) -> Tensor:
+        """x_t: (B, C, R, R); t: (B,); ids, mask: (B, L). Returns v: (B, C, R, R)."""
+        txt, pooled = self.text(ids, mask)
+        img = self.patch_in(self.patchify(x_t)) + self.pos_img.to(x_t.dtype)
+        c = self.t_mlp(timestep_embedding(t, self.cfg.width).to(img.dtype)) + self.pool_mlp(pooled)
+        h = torch.cat([txt.to(img.dtype), img], dim=1)
+        L = txt.shape[1]
+        key_ok = torch.cat([mask, torch.ones(mask.shape[0], img.shape[1], dtype=torch.bool, device=mask.device)], 1)
+        attn_mask = key_ok[:, None, None, :]
+        for blk in self.blocks:
+            h = blk(h, c, attn_mask)
+        shift, scale = self.ada_out(c).chunk(2, dim=-1)
+        out = self.patch_out(modulate(self.norm_out(h[:, L:]), shift, scale))
+        return self.unpatchify(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The FlowModel adapter
+# ---------------------------------------------------------------------------------------------------------------
+
+ASSET_DIR = Path(__file__).parent / "assets"
+SHIPPED_NAME = "tiny_shapes32"
+
+
+class TinyFlowModel(nn.Module):
+    """The tiny model behind the FlowModel protocol (types.py): encode_prompts → velocity → decode.
+
+    `encode_prompts` only tokenizes, so the text encoder runs inside `velocity` and is trained with everything
+    else (full fine-tune) unless frozen by the trainer.
+    """
+
+    def __init__(self, cfg: TinyDiTConfig | None = None):
+        super().__init__()
+        self.cfg = cfg or TinyDiTConfig()
+        self.net = TinyDiT(self.cfg)
+        self.tokenizer = WordTokenizer(self.cfg.vocabulary, self.cfg.max_text_len)
+        self.latent_shape = (self.cfg.channels, self.cfg.resolution, self.cfg.resolution)
+        self.compute_dtype: torch.dtype = torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def encode_prompts(self, prompts: Sequence[str]) -> Cond:
+        ids, mask = self.tokenizer(prompts)
+        return {"ids": ids.to(self.device), "mask": mask.to(self.device)}
+
+    def velocity(self, x_t: Tensor, t: Tensor, cond: Cond) -> Tensor:
+        if self.compute_dtype != torch.float32 and x_t.device.type in ("cpu", "cuda"):
+            with torch.autocast(x_t.device.type, dtype=self.compute_dtype):
+                v = self.net(x_t, t, cond["ids"], cond["mask"])
+        else:
+            v = self.net(x_t, t, cond["ids"], cond["mask"])
+        return v.float()
+
+    def decode(self, x0: Tensor) -> Tensor:
+        return ((x0.float() + 1.0) / 2.0).clamp(0.0, 1.0)
+
+    def encode_images(self, images: Tensor) -> Tensor:
+        """(B, 3, H, W) images in [0, 1] → latents in [−1, 1] (the inverse of decode)."""
+        return images.float() * 2.0 - 1.0
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # -- persistence -------------------------------------------------------------------------------------------
+
+    def save(self, directory: str | Path, name: str = SHIPPED_NAME, extra: dict | None = None) -> Path:
+        """Write `<name>.safetensors` (fp32 weights) and `<name>.json` (config + provenance)."""
+        from safetensors.torch import save_file
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().float().contiguous() for k, v in self.net.state_dict().items()}
+        save_file(state, str(d / f"{name}.safetensors"))
+        meta = {"config": asdict(self.cfg), **(extra or {})}
+        (d / f"{name}.json").write_text(json.dumps(meta, indent=2))
+        return d / f"{name}.safetensors"
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> "TinyFlowModel":
+        """Load from a `.safetensors` path (config JSON beside it) or, with None, the shipped checkpoint."""
+        from safetensors.torch import load_file
+
+        p = Path(path) if path is not None else ASSET_DIR / f"{SHIPPED_NAME}.safetensors"
+        if p.is_dir():
+            cands = sorted(p.glob("*.safetensors"))
+            if not cands:
+                raise FileNotFoundError(f"no .safetensors file in '{p}'; pass the weights file of a tiny model")
+            p = cands[0]
+        if not p.exists():
+            raise FileNotFoundError(f"tiny model weights '{p}' not found; pass a .safetensors file written by `flowcredit pretrain`")
+        meta_path = p.with_suffix(".json")
+        if not meta_path.exists():
+            raise FileNotFoundError(f"config '{meta_path}' missing next to '{p}'; it is written together with the weights")
+        meta = json.loads(meta_path.read_text())
+        model = cls(TinyDiTConfig(**meta["config"]))
+        model.net.load_state_dict(load_file(str(p)))
+        model.eval()
+        return model
