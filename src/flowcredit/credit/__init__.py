@@ -1,0 +1,30 @@
+"""Credit assignment: advantage estimators for Flow-GRPO, Stepwise-Flow-GRPO and VGPO (ALGORITHMS.md §3–5).
+
+The trainer builds a ``CreditInput`` and calls ``assign_credit(cfg, inp)``; it asks ``needs_step_rewards(cfg)`` /
+``needs_instant_rewards(cfg)`` beforehand to know which intermediate rewards to compute. Estimators are listed in
+``registry.CREDIT``.
+"""
+
+from flowcredit.credit.base import CreditCfg, CreditInput, CreditOutput
+from flowcredit.credit.registry import (
+    CREDIT,
+    assign_credit,
+    names,
+    needs_instant_rewards,
+    needs_step_rewards,
+    resolve,
+)
+from flowcredit.credit.stepwise import EMABaseline
+
+__all__ = [
+    "CREDIT",
+    "CreditCfg",
+    "CreditInput",
+    "CreditOutput",
+    "EMABaseline",
+    "assign_credit",
+    "names",
+    "needs_instant_rewards",
+    "needs_step_rewards",
+    "resolve",
+]

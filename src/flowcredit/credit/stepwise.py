@@ -1,0 +1,233 @@
+"""Stepwise-Flow-GRPO credit: per-step reward gains (ALGORITHMS.md §4.2–4.6, arXiv 2603.28718).
+
+    g_j = ρ_{j+1} − ρ_j,   j = 0 … T−1          (gain of step x^(j) → x^(j+1); A6 alignment)
+    Σ_j g_j = ρ_T − ρ_0                          (telescoping, §4.2)
+    Ã = (g − μ) / (σ + ε)                        (joint normalization over a group's N·T gains, paper Eq. 5)
+
+Variants (§4.3 ablation, §4.6 variants that lost to the plain gain; formulas are best guesses [G]):
+    ``per_step``  μ, σ per group and step, over the N trajectories (Fig. 9);
+    ``global``    μ per group (joint), σ over every gain of the batch (A5, Flow-GRPO ``global_std`` style);
+    ``ema``       μ replaced by a per-step baseline b_j ← λ·b_j + (1−λ)·mean_batch g_j kept across iterations;
+    ``use_gae``   g replaced by A_j = Σ_{l≥0} (γλ)^l g_{j+l} (value ≡ 0), so γ = λ = 1 gives ρ_T − ρ_j.
+
+Notation: B batch, P groups, T steps, ρ (B, T+1) step rewards (see ``flowcredit.credit.base``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flowcredit.credit.base import (
+    CreditCfg,
+    CreditInput,
+    CreditOutput,
+    compute_dtype,
+    discounted_reverse_cumsum,
+    group_index,
+    group_moments,
+    safe_zscore,
+)
+from flowcredit.credit.group import reward_stats
+
+EMA_STATE_KEY = "stepwise_ema_baseline"
+
+
+def stepwise_gains(step_rewards: Tensor) -> Tensor:
+    """Per-step reward gains g_j = ρ_{j+1} − ρ_j (§4.2, A6).
+
+    Args:
+        step_rewards: (B, T+1) ρ_0 … ρ_T.
+
+    Returns:
+        (B, T) gains, same dtype as the input; Σ_j g_j = ρ_T − ρ_0 up to float rounding.
+    """
+    return step_rewards[:, 1:] - step_rewards[:, :-1]
+
+
+def gae_over_gains(gains: Tensor, gamma: float, lam: float) -> Tensor:
+    """GAE over the gain sequence with value ≡ 0 (δ_j = g_j), §4.6 [G].
+
+    A_j = Σ_{l≥0} (γλ)^l g_{j+l}: each step is credited with its own gain plus the discounted gains of the LATER
+    denoising steps. γ = λ = 1 gives the reward-to-go ρ_T − ρ_j; γλ = 0 gives g.
+
+    Args:
+        gains: (B, T).
+        gamma: γ in [0, 1].
+        lam: λ in [0, 1].
+
+    Returns:
+        (B, T).
+    """
+    return discounted_reverse_cumsum(gains, gamma * lam)
+
+
+def ema_baseline_update(baseline: Tensor | None, step_means: Tensor, decay: float) -> Tensor:
+    """One EMA step of the per-step baseline (§4.6 [G]): b ← λ·b + (1−λ)·m; the first call returns m.
+
+    Args:
+        baseline: (T,) previous baseline, or None before the first iteration.
+        step_means: (T,) batch mean of the per-step signal (gains, or GAE returns) of this iteration.
+        decay: λ in [0, 1].
+
+    Returns:
+        (T,) new baseline (detached).
+    """
+    step_means = step_means.detach()
+    if baseline is None:
+        return step_means.clone()
+    baseline = baseline.to(device=step_means.device, dtype=step_means.dtype)
+    return decay * baseline + (1.0 - decay) * step_means
+
+
+class EMABaseline:
+    """Holder of the Stepwise EMA baseline across training iterations, with a checkpointable state.
+
+    The math is the pure ``ema_baseline_update``; this object only carries the (T,) tensor between iterations:
+
+        ema = EMABaseline()
+        out = assign_credit(cfg, CreditInput(..., state=ema.credit_state()))
+        ema.update_from(out.state)
+        ckpt["credit_ema"] = ema.state_dict()
+    """
+
+    def __init__(self, value: Tensor | None = None) -> None:
+        self.value = value
+
+    def credit_state(self) -> dict[str, Tensor]:
+        """The ``CreditInput.state`` entry for the next call (empty before the first update)."""
+        return {} if self.value is None else {EMA_STATE_KEY: self.value}
+
+    def update_from(self, state: dict[str, Tensor]) -> None:
+        """Take the new baseline from a ``CreditOutput.state`` (no-op when the estimator did not use it)."""
+        if EMA_STATE_KEY in state:
+            self.value = state[EMA_STATE_KEY].detach().clone()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": None if self.value is None else self.value.detach().cpu().clone()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        value = state_dict["value"]
+        self.value = None if value is None else value.detach().clone()
+
+
+def normalize_gains(
+    gains: Tensor,
+    group_ids: Tensor,
+    *,
+    scope: str = "joint",
+    eps: float = 1e-4,
+    step_mask: Tensor | None = None,
+    baseline: Tensor | None = None,
+) -> Tensor:
+    """Group-normalize per-step gains (§4.3 Eq. 5, per-step ablation, A5 global std).
+
+    ``joint``:    Ã_ij = (g_ij − μ_g) / (σ_g + ε), μ_g, σ_g over the group's N·T gains.
+    ``per_step``: Ã_ij = (g_ij − μ_gj) / (σ_gj + ε), μ_gj, σ_gj over the group's N gains at step j.
+    ``global``:   Ã_ij = (g_ij − μ_g) / (σ + ε), μ_g joint per group, σ over all gains of the batch.
+
+    With ``baseline`` b (T,), μ is replaced by b_j (EMA variant) and σ is unchanged. A cell whose gains are all
+    equal (σ exactly 0: a whole group for joint/global, a (group, step) for per_step) gets exactly 0: with no
+    spread there is no scale to normalize by, and (g − b)/ε would explode. Statistics are population (correction 0).
+
+    Args:
+        gains: (B, T) gains (or GAE returns).
+        group_ids: (B,) int64.
+        scope: ``"joint"``, ``"per_step"`` or ``"global"``.
+        eps: ε.
+        step_mask: (T,) bool; False columns are left out of the statistics (their output is still computed).
+        baseline: (T,) per-step baseline replacing the group mean, or None.
+
+    Returns:
+        (B, T) normalized gains.
+    """
+    inverse, num_groups = group_index(group_ids)
+    if scope not in ("joint", "per_step", "global"):
+        raise ValueError(f"scope must be 'joint', 'per_step' or 'global'; got {scope!r}.")
+    mom = group_moments(gains, inverse, num_groups, step_mask=step_mask, pool_steps=scope != "per_step")
+    center, scale, constant = mom.mean[inverse], mom.std[inverse], mom.constant[inverse]  # (B, 1) or (B, T)
+    if scope == "global":
+        kept = gains if step_mask is None else gains[:, step_mask.to(gains.device, torch.bool)]
+        scale = (kept.std(correction=0) if kept.numel() else gains.new_zeros(())).expand_as(scale)
+    if baseline is not None:
+        center = baseline.to(device=gains.device, dtype=gains.dtype)[None, :]
+    return safe_zscore(gains, center, scale, constant, eps)
+
+
+def gain_stats(step_rewards: Tensor, group_ids: Tensor) -> dict[str, float | list[float]]:
+    """Diagnostics of the intermediate rewards ρ (B, T+1).
+
+    Returns:
+        ``gain_abs_mean_per_step`` (list of T floats, cf. the paper's Fig. 2 |g_t| plot), ``gain_neg_frac``
+        (fraction of negative gains), ``rho_nonmonotone_frac`` (fraction of trajectories whose ρ both rises and falls),
+        ``gain_telescope_err`` (max |Σ_j g_j − (ρ_T − ρ_0)|, float rounding only), ``rho0_group_spread`` (max over
+        groups of max − min of ρ_0; 0 when the initial noise and x̂0 estimator are shared as §4.1 requires).
+    """
+    rho = step_rewards.to(compute_dtype(step_rewards))
+    gains = stepwise_gains(rho)
+    inverse, num_groups = group_index(group_ids)
+    idx = inverse
+    rho0 = rho[:, 0]
+    hi = torch.full((num_groups,), float("-inf"), dtype=rho.dtype, device=rho.device).scatter_reduce(
+        0, idx, rho0, reduce="amax"
+    )
+    lo = torch.full((num_groups,), float("inf"), dtype=rho.dtype, device=rho.device).scatter_reduce(
+        0, idx, rho0, reduce="amin"
+    )
+    rises, falls = (gains > 0).any(1), (gains < 0).any(1)
+    return {
+        "gain_abs_mean_per_step": gains.abs().mean(0).tolist(),
+        "gain_neg_frac": float((gains < 0).float().mean()),
+        "rho_nonmonotone_frac": float((rises & falls).float().mean()),
+        "gain_telescope_err": float((gains.sum(1) - (rho[:, -1] - rho[:, 0])).abs().max()),
+        "rho0_group_spread": float((hi - lo).max()),
+    }
+
+
+def stepwise_advantages(inp: CreditInput, cfg: CreditCfg) -> CreditOutput:
+    """Stepwise-Flow-GRPO estimator (§4.2–4.6): normalized per-step gains.
+
+    Pipeline: g = ρ_{j+1} − ρ_j → (GAE over gains if ``cfg.use_gae``) → (EMA baseline if
+    ``cfg.stepwise_baseline == "ema"``) → ``normalize_gains`` with ``cfg.stepwise_norm``.
+
+    EMA variant: the baseline used for this batch already includes this batch's per-step mean,
+    b = λ·b_prev + (1−λ)·mean_batch g, so the first iteration (no b_prev) centres each step on its batch mean.
+
+    Args:
+        inp: uses ``step_rewards`` (B, T+1) (required), ``group_ids``, ``step_mask`` (statistics only, when
+            ``cfg.mask_stats``), ``state[EMA_STATE_KEY]`` (EMA variant).
+        cfg: uses ``stepwise_norm``, ``stepwise_baseline``, ``ema_decay``, ``use_gae``, ``gae_gamma``,
+            ``gae_lambda``, ``eps``, ``mask_stats``.
+
+    Returns:
+        CreditOutput with advantages (B, T), gain and reward stats, and ``state`` holding the new EMA baseline
+        under ``EMA_STATE_KEY`` (EMA variant only).
+    """
+    if inp.step_rewards is None:
+        raise ValueError("stepwise credit needs CreditInput.step_rewards (B, T+1): the rewards ρ_j of the x̂0 "
+                         "estimates of every state x^(0) … x^(T) (ALGORITHMS.md §4.1).")
+    rho = inp.step_rewards.to(compute_dtype(inp.step_rewards))
+    signal = stepwise_gains(rho)  # (B, T)
+    if cfg.use_gae:
+        signal = gae_over_gains(signal, cfg.gae_gamma, cfg.gae_lambda)
+    stat_mask = inp.step_mask if cfg.mask_stats else None
+    state = dict(inp.state)
+    baseline = None
+    if cfg.stepwise_baseline == "ema":
+        baseline = ema_baseline_update(inp.state.get(EMA_STATE_KEY), signal.mean(0), cfg.ema_decay)  # (T,)
+        state[EMA_STATE_KEY] = baseline
+    adv = normalize_gains(
+        signal, inp.group_ids, scope=cfg.stepwise_norm, eps=cfg.eps, step_mask=stat_mask, baseline=baseline
+    )
+    stats: dict[str, float | list[float]] = {
+        **reward_stats(inp.rewards, inp.group_ids),
+        **gain_stats(rho, inp.group_ids),
+    }
+    if baseline is not None:
+        stats["ema_baseline_per_step"] = baseline.tolist()
+    return CreditOutput(advantages=adv, stats=stats, state=state)
+
+
+stepwise_advantages.requires = ("step_rewards",)  # type: ignore[attr-defined]
