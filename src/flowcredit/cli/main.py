@@ -1,0 +1,265 @@
+"""`flowcredit` command line: train | eval | sample | prompts | render | pretrain.
+
+    flowcredit train                                  # the embedded default: tiny model, shapes, Flow-GRPO, CPU
+    flowcredit train tiny_stepwise run.iterations=50  # a preset + key=value overrides
+    flowcredit train method=vgpo                      # method=X alone picks the preset tiny_X
+    flowcredit train my.yaml optim.lr=1e-5            # a YAML file (may say `base: tiny_flow_grpo`)
+    flowcredit train --help-config                    # every key, its type, default and help
+    flowcredit eval --checkpoint runs/x --cfg 4.5     # GenEval layout + results.jsonl + summary.json + grid.png
+
+Bad input prints one line `error: ...` naming the field, where it came from and the fix, and exits with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_PRESET = "tiny_flow_grpo"
+
+
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def resolve_train_config(args: list[str]):
+    """Split `train` arguments into preset/file and overrides; return (TrainConfig, preset name)."""
+    from ..config import load_config
+    from ..config.schema import TrainConfig
+
+    presets = [a for a in args if "=" not in a]
+    overrides = [a for a in args if "=" in a]
+    if len(presets) > 1:
+        raise ValueError(f"give at most one preset or YAML file, got {presets}; everything else must be key=value")
+    if presets:
+        preset = presets[0]
+    else:
+        method = next((o.split("=", 1)[1] for o in overrides if o.startswith("method=")), None)
+        preset = f"tiny_{method}" if method else DEFAULT_PRESET
+        if method and not (PRESET_DIR / f"{preset}.yaml").exists():
+            preset = DEFAULT_PRESET
+    cfg = load_config(TrainConfig, preset, overrides, preset_dirs=[PRESET_DIR])
+    return cfg, Path(preset).stem
+
+
+def cmd_train(ns) -> int:
+    from ..config import ConfigError, describe
+    from ..config.schema import TrainConfig
+    from ..trainer.grpo import GRPOTrainer, TrainingError
+
+    if ns.help_config:
+        print(describe(TrainConfig))
+        return 0
+    try:
+        cfg, name = resolve_train_config(ns.args)
+        trainer = GRPOTrainer(cfg, preset_name=name)
+        trainer.setup()
+    except (ConfigError, TrainingError, ValueError, FileNotFoundError) as e:
+        return _fail(str(e))
+    print(f"run folder: {trainer.out}")
+    result = trainer.train()
+    ev = result.get("eval")
+    if ev:
+        t = ev["trained"]
+        line = f"eval ({cfg.run.eval_prompts}, cfg {cfg.run.eval_guidance}, {cfg.run.eval_steps} ODE steps): reward {t['reward_mean']:.4f}"
+        if "strict_overall" in t:
+            line += f", strict overall {t['strict_overall']:.4f}"
+        if "delta" in ev:
+            line += "  (Δ vs initial: " + ", ".join(f"{k} {v:+.4f}" for k, v in ev["delta"].items()) + ")"
+        print(line)
+    print(f"done: {result['iterations']} iterations in {result['train_seconds']:.0f} s; see {trainer.out}")
+    return 0
+
+
+def load_any_model(path: str | None, precision: str = "fp32"):
+    """A tiny model from: None (shipped), a .safetensors file, a trainer checkpoint .pt, or a run folder."""
+    import torch
+
+    from ..models.tiny import TinyDiTConfig, TinyFlowModel
+
+    if path is None:
+        model = TinyFlowModel.load(None)
+    else:
+        p = Path(path)
+        if p.is_dir() and (p / "checkpoints").is_dir():
+            cks = sorted((p / "checkpoints").glob("iter*.pt"))
+            if not cks:
+                raise FileNotFoundError(f"run folder '{p}' has no checkpoints/iter*.pt yet")
+            p = cks[-1]
+        if p.suffix == ".pt":
+            if not p.exists():
+                raise FileNotFoundError(f"checkpoint '{p}' not found")
+            st = torch.load(p, weights_only=False, map_location="cpu")
+            model = TinyFlowModel(TinyDiTConfig(**st["model_config"]))
+            state = dict(st["model"])
+            if st.get("ema"):
+                state.update(st["ema"])  # evaluate the EMA weights when the run kept them
+            model.net.load_state_dict(state)
+            model.eval()
+        else:
+            model = TinyFlowModel.load(p)
+    model.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    return model
+
+
+def cmd_eval(ns) -> int:
+    import torch
+
+    from ..eval.evaluate import evaluate
+    from ..shapes.geneval import format_summary
+    from ..shapes.prompts import PromptFileError, load_prompts
+
+    try:
+        prompts = load_prompts(ns.prompts)
+        model = load_any_model(ns.checkpoint, ns.precision)
+    except (PromptFileError, FileNotFoundError, ValueError) as e:
+        return _fail(str(e))
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    out = ns.out or f"eval_out/{Path(ns.checkpoint or 'shipped').stem}-cfg{ns.cfg}-s{ns.steps}"
+    s = evaluate(model, prompts, steps=ns.steps, guidance=ns.cfg, seed=ns.seed, out_dir=out, limit=ns.limit, batch_size=ns.batch_size)
+    if "geneval" in s:
+        print(format_summary(s["geneval"], "correct"))
+        print(f"Strict overall (exact counts, no extras): {s['strict_overall']:.5f}")
+    print(f"Mean reward: {s['reward_mean']:.5f}")
+    print(f"written to {out}")
+    return 0
+
+
+def cmd_sample(ns) -> int:
+    import torch
+
+    from ..eval.evaluate import generate, make_grid, save_png
+
+    try:
+        model = load_any_model(ns.checkpoint, ns.precision)
+    except (FileNotFoundError, ValueError) as e:
+        return _fail(str(e))
+    imgs = generate(model, [ns.prompt] * ns.n, steps=ns.steps, guidance=ns.cfg, seed=ns.seed)
+    u8 = (imgs * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    save_png(make_grid(u8, ncol=min(8, ns.n)), ns.out, scale=4)
+    print(f"wrote {ns.n} samples of '{ns.prompt}' to {ns.out}")
+    return 0
+
+
+def cmd_prompts(ns) -> int:
+    from ..shapes.prompts import SplitSpec, write_prompt_files
+
+    paths = write_prompt_files(ns.out_dir, ns.resolution, SplitSpec(seed=ns.seed))
+    for k, p in paths.items():
+        print(f"{k}: {p} ({sum(1 for _ in open(p))} lines)")
+    return 0
+
+
+def cmd_render(ns) -> int:
+    from ..eval.evaluate import save_png
+    from ..shapes.prompts import PromptFileError, check_shapes_vocab, load_prompts
+    from ..shapes.render import render_record
+    from ..shapes.vocab import get_world
+
+    try:
+        ps = load_prompts(ns.prompts)
+        world = get_world(ns.resolution)
+        for i, m in enumerate(ps.metadata):
+            if "include" not in m:
+                raise PromptFileError(f"{ps.source}: line {i + 1} has no GenEval metadata; render needs .jsonl records")
+            check_shapes_vocab(m, world, f"{ps.source} record {i + 1}")
+    except (PromptFileError, ValueError) as e:
+        return _fail(str(e))
+    out = Path(ns.out_dir)
+    for i, m in enumerate(ps.metadata):
+        d = out / f"{i:05d}"
+        (d / "samples").mkdir(parents=True, exist_ok=True)
+        (d / "metadata.jsonl").write_text(json.dumps(m) + "\n")
+        for k in range(ns.n_samples):
+            save_png(render_record(m, ns.seed, i, k, ns.resolution), d / "samples" / f"{k:04d}.png")
+    print(f"rendered {len(ps) * ns.n_samples} ground-truth images to {out}")
+    return 0
+
+
+def cmd_pretrain(ns) -> int:
+    from ..models.pretrain import PretrainConfig, pretrain
+
+    kw = {k: v for k, v in vars(ns).items() if k in PretrainConfig.__dataclass_fields__ and v is not None}
+    model = {}
+    if ns.width:
+        model["width"] = ns.width
+    if ns.depth:
+        model["depth"] = ns.depth
+    pretrain(PretrainConfig(**kw, model=model))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="flowcredit", description="RL fine-tuning of flow-matching text-to-image models with step-level credit assignment.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train with a preset/YAML and key=value overrides (default: the embedded tiny Flow-GRPO job)")
+    t.add_argument("args", nargs="*", help="[PRESET|file.yaml] key=value ...")
+    t.add_argument("--help-config", action="store_true", help="list every config key with its type, default and help")
+    t.set_defaults(fn=cmd_train)
+
+    def model_args(p):
+        p.add_argument("--checkpoint", default=None, help="tiny model .safetensors, trainer checkpoint .pt or run folder (default: shipped model)")
+        p.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale")
+        p.add_argument("--steps", type=int, default=40, help="ODE steps")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+
+    e = sub.add_parser("eval", help="score a model on a prompt file or split (GenEval layout + summary)")
+    model_args(e)
+    e.add_argument("--prompts", default="shapes:test", help="shapes:test | shapes:test_unique | shapes:train | file.jsonl")
+    e.add_argument("--out", default=None, help="output folder")
+    e.add_argument("--limit", type=int, default=None, help="only the first N prompt lines")
+    e.add_argument("--batch-size", type=int, default=64)
+    e.add_argument("--threads", type=int, default=0)
+    e.set_defaults(fn=cmd_eval)
+
+    s = sub.add_parser("sample", help="draw images for one prompt")
+    s.add_argument("prompt")
+    model_args(s)
+    s.add_argument("--n", type=int, default=8)
+    s.add_argument("--out", default="samples.png")
+    s.set_defaults(fn=cmd_sample)
+
+    p = sub.add_parser("prompts", help="write the shapes benchmark prompt files (GenEval + flow_grpo layouts)")
+    p.add_argument("out_dir")
+    p.add_argument("--resolution", type=int, default=32, choices=[32, 64])
+    p.add_argument("--seed", type=int, default=43)
+    p.set_defaults(fn=cmd_prompts)
+
+    r = sub.add_parser("render", help="write ground-truth images for a prompt file in GenEval's folder layout")
+    r.add_argument("prompts", help="shapes:test or a .jsonl file")
+    r.add_argument("out_dir")
+    r.add_argument("--resolution", type=int, default=32, choices=[32, 64])
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--n-samples", type=int, default=1)
+    r.set_defaults(fn=cmd_render)
+
+    from ..models.pretrain import PretrainConfig
+
+    pt = sub.add_parser("pretrain", help="flow-matching pretraining of the tiny model (resumable)")
+    for name, f in PretrainConfig.__dataclass_fields__.items():
+        if name == "model":
+            continue
+        if isinstance(f.default, bool):
+            pt.add_argument(f"--{name}", type=lambda v: v.lower() in ("1", "true", "yes"), default=None)
+        else:
+            pt.add_argument(f"--{name}", type=type(f.default), default=None)
+    pt.add_argument("--width", type=int, default=None)
+    pt.add_argument("--depth", type=int, default=None)
+    pt.set_defaults(fn=cmd_pretrain)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    return int(ns.fn(ns) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""The training configuration: nested dataclasses, one per component, each field with a help sentence.
+
+Presets live in `flowcredit/configs/*.yaml`; `flowcredit train [PRESET|file.yaml] key=value ...` loads one,
+applies overrides, rejects unknown keys with a suggestion, and saves the resolved config in the run folder.
+Cross-field checks are in `__post_init__` and state the arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from ..credit.base import CreditCfg
+
+
+def _h(default, text: str, **kw):
+    return field(default=default, metadata={"help": text}, **kw)
+
+
+@dataclass
+class ModelCfg:
+    name: Literal["tiny", "sd3", "flux"] = _h("tiny", "Model family: the built-in tiny shapes model, SD3/SD3.5 or FLUX.1 (diffusers).")
+    path: Optional[str] = _h(None, "Weights: a .safetensors file (tiny) or a local diffusers folder; null = the shipped tiny checkpoint.")
+    precision: Literal["fp32", "bf16"] = _h("bf16", "Autocast dtype of the network forward/backward; step math is always fp32.")
+    trainable: Literal["all", "lora", "blocks"] = _h(
+        "all", "What RL trains: all weights (full fine-tune), LoRA adapters (peft), or the transformer blocks only (tiny: text encoder and embeddings frozen)."
+    )
+    lora_rank: int = _h(32, "LoRA rank r (ALGORITHMS.md A9: r32).")
+    lora_alpha: float = _h(64.0, "LoRA alpha (A9: α64).")
+    lora_targets: list[str] = _h(
+        None, "Module names LoRA wraps; null = the family default (SD3: flow_grpo's attention projections).", 
+    )
+    gradient_checkpointing: bool = _h(False, "Recompute activations in the backward pass to save memory (real models).")
+
+    def __post_init__(self):
+        if self.lora_targets is None:
+            self.lora_targets = []
+        if self.lora_rank < 1:
+            raise ValueError(f"model.lora_rank must be >= 1, got {self.lora_rank}")
+
+
+@dataclass
+class SamplerCfg:
+    name: Literal["flow_sde", "ddim_sde", "cps", "ode"] = _h("flow_sde", "Rollout SDE (ALGORITHMS.md §2): Flow-GRPO's flow_sde, Stepwise's ddim_sde, Flow-CPS, or ode.")
+    noise_level: float = _h(0.7, "a for flow_sde/cps (Flow-GRPO a=0.7), η for ddim_sde (0.9).")
+    num_steps: int = _h(10, "Rollout steps T (Flow-GRPO: 10 for training).")
+    shift: float = _h(3.0, "SD3 timestep shift of the time grid.")
+    grid: Literal["uniform", "diffusers"] = _h("uniform", "Time grid: shifted linspace(1, 0) or diffusers' FlowMatchEulerDiscreteScheduler grid.")
+    reduce: Literal["mean", "sum"] = _h("mean", "Log-prob reduction over latent dims (Flow-GRPO: mean, so clip_range 1e-4 means what it means there).")
+    ddim_sigma: Literal["eta_s_sqrt", "eta_s"] = _h("eta_s_sqrt", "ddim_sde σ schedule: η(t−Δt)√(1−t) (Stepwise §5.5) or η(t−Δt) (= Flow-CPS).")
+    ddim_coef: Literal["ddim", "mm"] = _h("ddim", "ddim_sde noise coefficient: sqrt(s²−σ²) or the marginal-matching s − σ²/(2s).")
+    guidance_scale: float = _h(1.0, "CFG scale used in rollout AND loss (one policy velocity function).")
+    timestep_fraction: float = _h(0.99, "Train the first int(T·fraction) steps (Flow-GRPO 0.99 → 9 of 10). Steps with σ=0 are never trained.")
+    train_steps_per_sample: int = _h(0, "If > 0, train only this many randomly chosen trainable steps per sample each iteration (a speed lever); 0 = all.")
+    shared_noise: Optional[bool] = _h(None, "Share x_T within a group; null = the method's default (stepwise/vgpo: yes, flow_grpo: no).")
+
+    def __post_init__(self):
+        if self.num_steps < 1:
+            raise ValueError(f"sampler.num_steps must be >= 1, got {self.num_steps}")
+        if not 0.0 < self.timestep_fraction <= 1.0:
+            raise ValueError(f"sampler.timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
+
+
+@dataclass
+class DataCfg:
+    train_prompts: str = _h("shapes:train", "Training prompts: shapes:train, or a .jsonl (GenEval schema) / .txt prompt file.")
+    prompts_per_iter: int = _h(8, "Distinct prompts per iteration (groups).")
+    group_size: int = _h(8, "Samples per prompt G (GRPO group).")
+    balance_tags: bool = _h(True, "For GenEval-schema prompts: draw the tag uniformly, then a prompt of that tag (Flow-GRPO mixes tasks by weight).")
+
+    def __post_init__(self):
+        if self.group_size < 2:
+            raise ValueError(f"data.group_size must be >= 2 for group-relative advantages, got {self.group_size}")
+        if self.prompts_per_iter < 1:
+            raise ValueError(f"data.prompts_per_iter must be >= 1, got {self.prompts_per_iter}")
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_iter * self.group_size
+
+
+@dataclass
+class RewardComponent:
+    name: str = _h("shapes", "Registered reward name or 'module:Class'.")
+    weight: float = _h(1.0, "Weight in the mix.")
+
+
+@dataclass
+class RewardCfg:
+    name: str = _h("shapes", "Registered reward (`flowcredit.rewards.registry`), or 'mix' to use `components`.")
+    components: list[RewardComponent] = _h(None, "For name=mix: weighted rewards, e.g. [{name: shapes, weight: 0.8}, ...].")
+    normalize: bool = _h(False, "For mixes: z-normalize each component over the batch before the weighted sum (GDPO-style).")
+
+    def __post_init__(self):
+        if self.components is None:
+            self.components = []
+
+
+@dataclass
+class EstimateCfg:
+    substeps: int = _h(5, "T′: Euler substeps of the x̂0 estimate of each state (Stepwise §1.3; 1 = Tweedie).")
+    chunk_size: int = _h(128, "States per batched model call when computing x̂0 estimates.")
+    instant_substeps: int = _h(1, "VGPO instant reward: substeps of the post-action estimate (1 = one-step Tweedie, §5.2).")
+
+
+@dataclass
+class OptimCfg:
+    lr: float = _h(3e-5, "AdamW learning rate.")
+    betas: list[float] = _h(None, "AdamW betas; null = [0.9, 0.999].")
+    weight_decay: float = _h(1e-4, "AdamW weight decay (Flow-GRPO 1e-4).")
+    eps: float = _h(1e-8, "AdamW epsilon.")
+    grad_clip: float = _h(1.0, "Max gradient norm.")
+    clip_range: float = _h(1e-4, "PPO ratio clip ε (Flow-GRPO code 1e-4, with mean-reduced log-probs).")
+    kl_beta: float = _h(0.0, "β of the KL to the reference model (Flow-GRPO: 0.04 GenEval); 0 skips the reference forward.")
+    inner_epochs: int = _h(1, "Passes over each rollout batch (PPO epochs).")
+    updates_per_epoch: int = _h(1, "Optimizer steps per pass (the batch is split into this many gradient-accumulation chunks).")
+    micro_batch: int = _h(64, "(sample, step) pairs per forward/backward; only changes memory, not the gradient.")
+    ema_decay: float = _h(0.0, "EMA of trainable weights (0 = off); evaluation uses the EMA weights when on.")
+
+    def __post_init__(self):
+        if self.betas is None:
+            self.betas = [0.9, 0.999]
+        if len(self.betas) != 2:
+            raise ValueError(f"optim.betas must have 2 values, got {self.betas}")
+
+
+@dataclass
+class RunCfg:
+    out_dir: Optional[str] = _h(None, "Run folder; null = runs/<preset>-<timestamp>.")
+    seed: int = _h(0, "Global seed (prompt order, noise, everything).")
+    iterations: int = _h(100, "Training iterations (rollout → reward → credit → update).")
+    max_minutes: float = _h(0.0, "Stop training after this many minutes (0 = no limit); evaluation still runs.")
+    threads: int = _h(0, "torch threads (0 = leave torch's default).")
+    device: str = _h("cpu", "Device for the tiny model (real models: accelerate decides).")
+    log_every: int = _h(1, "Write metrics every N iterations.")
+    grid_every: int = _h(25, "Save a sample grid every N iterations (0 = never).")
+    checkpoint_every: int = _h(50, "Checkpoint every N iterations (and at the end).")
+    eval_at_end: bool = _h(True, "Evaluate on eval_prompts at the end (same code path as `flowcredit eval`) → eval.json.")
+    eval_baseline: bool = _h(True, "Also evaluate the initial model with the same noise, so eval.json holds the improvement.")
+    eval_prompts: str = _h("shapes:test", "Held-out prompts for the final evaluation.")
+    eval_steps: int = _h(40, "ODE steps of the evaluation sampler.")
+    eval_guidance: float = _h(1.0, "CFG scale of the evaluation.")
+    eval_every: int = _h(0, "Also evaluate every N iterations on eval_subset prompts (0 = never).")
+    eval_subset: int = _h(96, "Prompts of the periodic evaluation (a fixed, tag-balanced subset of eval_prompts).")
+
+
+@dataclass
+class TrainConfig:
+    method: Literal["flow_grpo", "stepwise", "vgpo", "custom"] = _h("flow_grpo", "Method preset family (sets credit defaults); informational for custom.")
+    model: ModelCfg = field(default_factory=ModelCfg)
+    sampler: SamplerCfg = field(default_factory=SamplerCfg)
+    data: DataCfg = field(default_factory=DataCfg)
+    reward: RewardCfg = field(default_factory=RewardCfg)
+    credit: CreditCfg = field(default_factory=CreditCfg)
+    estimate: EstimateCfg = field(default_factory=EstimateCfg)
+    optim: OptimCfg = field(default_factory=OptimCfg)
+    run: RunCfg = field(default_factory=RunCfg)
+
+    def __post_init__(self):
+        # The method picks the credit estimator unless the user composes one by hand (method=custom).
+        if self.method != "custom":
+            self.credit.name = self.method
+        if self.run.eval_every and self.run.eval_subset < 1:
+            raise ValueError(f"run.eval_subset must be >= 1 when run.eval_every > 0, got {self.run.eval_subset}")
+
+    @property
+    def shared_noise(self) -> bool:
+        if self.sampler.shared_noise is not None:
+            return self.sampler.shared_noise
+        return self.method in ("stepwise", "vgpo")

@@ -1,0 +1,183 @@
+"""Evaluation: ODE samples with fixed per-line noise, scored by a reward, written in GenEval's layouts.
+
+`flowcredit eval`, the trainer's final `eval.json` and its periodic evaluations all call `evaluate()`, so the
+numbers mean the same thing everywhere. The noise of prompt line i depends only on (seed, i), never on the
+batch composition, so two models evaluated with the same seed see the same x_T.
+
+Output folder (GenEval's, SHAPES_BENCHMARK.md §1.2):
+    <out>/<index:05d>/metadata.jsonl   the record (one JSON object)
+    <out>/<index:05d>/samples/0000.png
+    <out>/results.jsonl                GenEval's columns + strict, reward
+    <out>/summary.json                 per-tag and overall (unweighted tag mean) for correct and strict
+    <out>/grid.png                     a grid of the first samples
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ..samplers.rollout import sample_ode
+from ..shapes.prompts import PromptSet
+from ..types import FlowModel
+
+
+def line_noise(seed: int, indices: Sequence[int], latent_shape: tuple[int, ...]) -> torch.Tensor:
+    """Fixed initial noise per prompt line. Returns (len(indices), *latent_shape) fp32."""
+    out = []
+    for i in indices:
+        g = torch.Generator().manual_seed(int(np.random.SeedSequence([int(seed), int(i), 7]).generate_state(1)[0]))
+        out.append(torch.randn(latent_shape, generator=g))
+    return torch.stack(out)
+
+
+def make_grid(images: np.ndarray, ncol: int = 16, pad: int = 1) -> np.ndarray:
+    """(N, H, W, 3) uint8 → one (rows·(H+pad), ncol·(W+pad), 3) uint8 grid."""
+    n, h, w, _ = images.shape
+    ncol = max(1, min(ncol, n))
+    rows = (n + ncol - 1) // ncol
+    grid = np.full((rows * (h + pad) + pad, ncol * (w + pad) + pad, 3), 255, dtype=np.uint8)
+    for k in range(n):
+        r, c = divmod(k, ncol)
+        grid[pad + r * (h + pad) : pad + r * (h + pad) + h, pad + c * (w + pad) : pad + c * (w + pad) + w] = images[k]
+    return grid
+
+
+def save_png(array: np.ndarray, path: str | Path, scale: int = 1) -> None:
+    img = Image.fromarray(array)
+    if scale > 1:
+        img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
+    img.save(path)
+
+
+@torch.no_grad()
+def generate(
+    model: FlowModel,
+    prompts: Sequence[str],
+    *,
+    steps: int,
+    guidance: float,
+    seed: int,
+    indices: Sequence[int] | None = None,
+    batch_size: int = 64,
+    shift: float = 3.0,
+) -> torch.Tensor:
+    """ODE samples for prompts with per-line fixed noise. Returns (N, 3, H, W) float images in [0, 1]."""
+    indices = list(range(len(prompts))) if indices is None else list(indices)
+    out = []
+    for s in range(0, len(prompts), batch_size):
+        chunk = list(prompts[s : s + batch_size])
+        noise = line_noise(seed, indices[s : s + batch_size], tuple(model.latent_shape))
+        x0 = sample_ode(model, chunk, steps=steps, guidance_scale=guidance, init_noise=noise, shift=shift)
+        out.append(model.decode(x0))
+    return torch.cat(out)
+
+
+def evaluate(
+    model: FlowModel,
+    prompt_set: PromptSet,
+    *,
+    reward=None,
+    steps: int = 40,
+    guidance: float = 1.0,
+    seed: int = 0,
+    batch_size: int = 64,
+    shift: float = 3.0,
+    out_dir: str | Path | None = None,
+    write_samples: bool = True,
+    limit: int | None = None,
+) -> dict[str, Any]:
+    """Sample every prompt line once and score it.
+
+    Args:
+        model: any FlowModel.
+        prompt_set: prompts + metadata (shapes/GenEval records get the verifier's correct/strict summary).
+        reward: a RewardFn; None = the shapes verifier reward.
+        steps, guidance, seed, shift: ODE sampler settings (Flow-GRPO evaluates with 40 ODE steps).
+        out_dir: if given, write GenEval's folder layout, results.jsonl, summary.json and grid.png there.
+        limit: evaluate only the first `limit` lines.
+
+    Returns:
+        summary dict: reward mean, per-tag reward, GenEval summary for `correct` and `strict`, settings.
+    """
+    if reward is None:
+        from ..rewards.shapes import ShapesReward
+
+        reward = ShapesReward()
+    n = len(prompt_set) if limit is None else min(limit, len(prompt_set))
+    prompts, meta = prompt_set.prompts[:n], prompt_set.metadata[:n]
+    images = generate(model, prompts, steps=steps, guidance=guidance, seed=seed, batch_size=batch_size, shift=shift)
+    scores, comps, rows = [], {}, []
+    for s in range(0, n, 256):
+        ro = reward(images[s : s + 256], prompts[s : s + 256], meta[s : s + 256])
+        scores.append(ro.scores)
+        for k, v in ro.components.items():
+            comps.setdefault(k, []).append(v)
+        results = ro.info.get("results")
+        for k in range(len(ro.scores)):
+            i = s + k
+            row = {
+                "filename": f"{i:05d}/samples/0000.png",
+                "tag": meta[i].get("tag", ""),
+                "prompt": prompts[i],
+                "reward": float(ro.scores[k]),
+                "metadata": json.dumps(meta[i]),
+            }
+            if results is not None:
+                r = results[k]
+                row.update(correct=bool(r.correct), strict=bool(r.strict), reason=r.reason, details=json.dumps(r.details))
+            rows.append(row)
+    score_t = torch.cat(scores)
+    summary: dict[str, Any] = {
+        "num_images": n,
+        "reward_mean": float(score_t.mean()),
+        "settings": {"steps": steps, "guidance": guidance, "seed": seed, "shift": shift, "prompts": prompt_set.source},
+    }
+    tags: dict[str, list[float]] = {}
+    for row in rows:
+        tags.setdefault(row["tag"], []).append(row["reward"])
+    summary["reward_by_tag"] = {t: float(np.mean(v)) for t, v in tags.items()}
+    if rows and "correct" in rows[0]:
+        from ..shapes.geneval import summarize
+
+        g = summarize(rows)
+        summary["geneval"] = g
+        summary["correct_overall"] = g["correct"]["overall"]
+        summary["strict_overall"] = g["strict"]["overall"]
+        summary["strict_by_tag"] = {t: v["accuracy"] for t, v in g["strict"]["tags"].items()}
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        u8 = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        if write_samples:
+            for i in range(n):
+                d = out / f"{i:05d}"
+                (d / "samples").mkdir(parents=True, exist_ok=True)
+                (d / "metadata.jsonl").write_text(json.dumps(meta[i]) + "\n")
+                save_png(u8[i], d / "samples" / "0000.png")
+        with open(out / "results.jsonl", "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        save_png(make_grid(u8[: min(n, 128)]), out / "grid.png", scale=3)
+    return summary
+
+
+def tag_balanced_subset(prompt_set: PromptSet, n: int) -> PromptSet:
+    """A fixed subset of ≈ n lines with the tags interleaved (for cheap periodic evaluation)."""
+    by_tag: dict[str, list[int]] = {}
+    for i, m in enumerate(prompt_set.metadata):
+        by_tag.setdefault(m.get("tag", ""), []).append(i)
+    order: list[int] = []
+    k = 0
+    while len(order) < min(n, len(prompt_set)):
+        for t in by_tag:
+            if k < len(by_tag[t]) and len(order) < n:
+                order.append(by_tag[t][k])
+        k += 1
+    return PromptSet([prompt_set.prompts[i] for i in order], [prompt_set.metadata[i] for i in order], prompt_set.source + f"[balanced {n}]")

@@ -1,0 +1,41 @@
+"""The shapes-world verifier as an RL reward (issue A.3): dense reward in [0, 1], plus strict / correct."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from .base import RewardOutput, to_uint8_hwc
+
+
+class ShapesReward:
+    """Scores images with the rule-based shapes verifier (`flowcredit.shapes.verifier`).
+
+    `scores` is the dense anti-hacking reward; components `strict` and `correct` (GenEval parity) are 0/1.
+    Plain-text prompts (no GenEval metadata) are an error: this reward needs the record of every prompt.
+    """
+
+    name = "shapes"
+
+    def __init__(self, **kwargs: Any):
+        if kwargs:
+            raise ValueError(f"reward 'shapes' takes no options, got {sorted(kwargs)}")
+
+    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any) -> RewardOutput:
+        from ..shapes.verifier import verify_batch
+
+        for i, m in enumerate(metadata):
+            if not m or "include" not in m:
+                raise ValueError(
+                    f"reward 'shapes' needs GenEval-schema metadata for every prompt, prompt {i} ('{prompts[i]}') has none; "
+                    "use a .jsonl prompt file (e.g. shapes:train) or another reward"
+                )
+        results = verify_batch(to_uint8_hwc(images).numpy(), list(metadata))
+        f = lambda xs: torch.tensor(xs, dtype=torch.float32)  # noqa: E731
+        return RewardOutput(
+            scores=f([r.reward for r in results]),
+            components={"strict": f([float(r.strict) for r in results]), "correct": f([float(r.correct) for r in results])},
+            info={"reasons": [r.reason for r in results], "results": results},
+        )

@@ -1,0 +1,554 @@
+"""THE training loop of every GRPO-family method (Flow-GRPO, Stepwise-Flow-GRPO, VGPO).
+
+One iteration reads as pseudocode:
+
+    prompts, groups = sampler.draw(P, G)
+    traj    = rollout(policy, prompts, sampler=SDE)                  # no grad, records log π_old
+    rewards = reward(decode(x_T))                                    # (B,)
+    if the credit needs them: ρ_j = reward(decode(x̂0(x^(j))))        # (B, T+1), Stepwise §4.1 / VGPO §5.2
+    adv     = assign_credit(cfg.credit, rewards, ρ, groups)          # (B, T)
+    update:  for every trained (sample, step) pair:
+                 v      = policy_velocity(θ, x^(j), t_j)              # the SAME function as the rollout
+                 logp   = sampler_step(x^(j) → x^(j+1), v).log_prob   # the SAME step function
+                 loss  += PPO-clip(logp, logp_old, adv) + β·KL(π_θ ‖ π_ref)
+    log → checkpoint
+
+Only this file touches the optimizer, the reference model and the run folder. Components are pure.
+Ratio parity: when the update is strictly on-policy (one pass, one optimizer step per rollout batch), θ_old = θ,
+so we use logp_old = logp.detach() and the ratio is exactly 1 (its gradient is ∇logp). The rollout's recorded
+log-probs are compared with the recomputed ones every iteration (`parity_max_abs_dlogp`): in fp32 they agree to
+~1e-7; in bf16 the difference is numeric noise that must not be mistaken for off-policyness.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config.load import dump_yaml
+from ..config.schema import TrainConfig
+from ..credit.base import CreditInput
+from ..credit.registry import assign_credit, needs_instant_rewards, needs_step_rewards
+from ..samplers.estimates import denoise_estimate, trajectory_estimates
+from ..samplers.policy import nfe_per_sample, policy_velocity
+from ..samplers.rollout import make_initial_noise, rollout
+from ..samplers.schedules import time_grid
+from ..samplers.sde import SamplerParams, gaussian_kl_same_std, sampler_step
+from ..types import Trajectory, cond_index, cond_repeat
+from .objectives import clipped_surrogate
+
+
+class TrainingError(RuntimeError):
+    """A run cannot start or continue; the message is one line saying what to fix."""
+
+
+@dataclass
+class PhaseTimer:
+    """Wall-clock seconds per phase of one iteration."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def __call__(self, name: str):
+        timer = self
+
+        class _Ctx:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - self.t0
+
+        return _Ctx()
+
+
+def sampler_params(cfg: TrainConfig) -> SamplerParams:
+    s = cfg.sampler
+    return SamplerParams(name=s.name, noise_level=s.noise_level, reduce=s.reduce, ddim_sigma=s.ddim_sigma, ddim_coef=s.ddim_coef)
+
+
+class GRPOTrainer:
+    """Flow-GRPO-family trainer. `setup()` builds everything and validates inputs before anything is written;
+    `train()` runs the loop; `save_checkpoint()` / `load_checkpoint()` persist every state."""
+
+    def __init__(self, cfg: TrainConfig, preset_name: str = "custom"):
+        self.cfg = cfg
+        self.preset_name = preset_name
+
+    # ------------------------------------------------------------------------------------------------- setup
+    def setup(self) -> None:
+        cfg = self.cfg
+        from ..models.factory import build_model, set_trainable
+        from ..rewards.registry import build_reward
+        from ..shapes.prompts import PromptFileError, load_prompts
+        from .data import PromptSampler
+
+        # --- validate inputs first: nothing is written to the run folder on bad input -----------------------
+        try:
+            self.train_prompts = load_prompts(cfg.data.train_prompts)
+        except PromptFileError as e:
+            raise TrainingError(f"data.train_prompts: {e}") from None
+        try:
+            self.reward_fn = self._build_reward(build_reward)
+        except ValueError as e:
+            raise TrainingError(str(e)) from None
+        if cfg.reward.name in ("shapes",) or any(c.name == "shapes" for c in cfg.reward.components):
+            missing = [i for i, m in enumerate(self.train_prompts.metadata) if "include" not in m]
+            if missing:
+                raise TrainingError(
+                    f"data.train_prompts: reward 'shapes' needs GenEval-schema .jsonl prompts, but line {missing[0] + 1} of "
+                    f"{self.train_prompts.source} has no metadata; use shapes:train or a .jsonl file"
+                )
+        if cfg.run.eval_at_end or cfg.run.eval_every:
+            try:
+                self.eval_prompts = load_prompts(cfg.run.eval_prompts)
+            except PromptFileError as e:
+                raise TrainingError(f"run.eval_prompts: {e}") from None
+
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        self.device = torch.device(cfg.run.device)
+        self.model = build_model(cfg.model, cfg.run.device)
+        self.trainable = set_trainable(self.model, cfg.model.trainable)
+        self.trainable_names = [n for n, p in self.model.net.named_parameters() if p.requires_grad]
+        self.model.train()
+        # Reference policy for the KL (a frozen copy of the initial weights; LoRA would disable the adapter).
+        self.ref_model = None
+        if cfg.optim.kl_beta > 0:
+            self.ref_model = copy.deepcopy(self.model).requires_grad_(False).eval()
+        self.initial_state = None
+        if cfg.run.eval_baseline and cfg.run.eval_at_end:
+            self.initial_state = {k: v.detach().clone() for k, v in self.model.net.state_dict().items()}
+        self.opt = torch.optim.AdamW(
+            self.trainable, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay, eps=cfg.optim.eps
+        )
+        self.ema = [p.detach().clone() for p in self.trainable] if cfg.optim.ema_decay > 0 else None
+        self.prompt_sampler = PromptSampler(self.train_prompts, cfg.run.seed, cfg.data.balance_tags)
+        self.gen = torch.Generator(device="cpu").manual_seed(cfg.run.seed)
+        self.timesteps = time_grid(cfg.sampler.num_steps, cfg.sampler.shift, cfg.sampler.grid)
+        self.params = sampler_params(cfg)
+        self.credit_state: dict[str, torch.Tensor] = {}
+        self.iteration = 0
+        self.uncond1 = self.model.encode_prompts([""]) if cfg.sampler.guidance_scale != 1.0 else None
+
+        # --- the run folder ---------------------------------------------------------------------------------
+        out = cfg.run.out_dir or f"runs/{self.preset_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "checkpoints").mkdir(exist_ok=True)
+        (self.out / "grids").mkdir(exist_ok=True)
+        dump_yaml(cfg, self.out / "config.yaml")
+        ckpt = self.latest_checkpoint()
+        if ckpt is not None:
+            self.load_checkpoint(ckpt)
+        self.metrics_f = open(self.out / "metrics.jsonl", "a")
+        self.tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.out / "tb"))
+        except Exception:  # tensorboard missing: metrics.jsonl is the record of truth
+            self.tb = None
+
+    def _build_reward(self, build_reward):
+        rc = self.cfg.reward
+        if rc.name != "mix":
+            return build_reward(rc.name)
+        if not rc.components:
+            raise ValueError("reward.name=mix needs reward.components, e.g. [{name: shapes, weight: 1.0}]")
+        from ..rewards.mix import MixedReward
+
+        return MixedReward([(build_reward(c.name), c.weight) for c in rc.components], normalize=rc.normalize)
+
+    # -------------------------------------------------------------------------------------------------- loop
+    def train(self) -> dict[str, Any]:
+        cfg = self.cfg
+        t_start = time.time()
+        bar = None
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.run.iterations, initial=self.iteration, desc=f"train[{cfg.method}]", dynamic_ncols=True)
+        except ImportError:
+            pass
+        while self.iteration < cfg.run.iterations:
+            if cfg.run.max_minutes and (time.time() - t_start) > 60 * cfg.run.max_minutes:
+                break
+            stats = self.train_step()
+            self.iteration += 1
+            if self.iteration % cfg.run.log_every == 0:
+                self.log(stats)
+            if cfg.run.grid_every and self.iteration % cfg.run.grid_every == 0:
+                self.save_grid(stats.pop("_images"), stats.pop("_prompts"))
+            if cfg.run.eval_every and self.iteration % cfg.run.eval_every == 0:
+                self.periodic_eval()
+            if self.iteration % cfg.run.checkpoint_every == 0 or self.iteration == cfg.run.iterations:
+                self.save_checkpoint()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", strict=f"{stats.get('strict_mean', float('nan')):.2f}")
+        if bar is not None:
+            bar.close()
+        self.save_checkpoint()
+        result: dict[str, Any] = {"iterations": self.iteration, "train_seconds": time.time() - t_start}
+        if cfg.run.eval_at_end:
+            result["eval"] = self.final_eval()
+        self.metrics_f.close()
+        if self.tb is not None:
+            self.tb.close()
+        return result
+
+    def train_step(self) -> dict[str, Any]:
+        """One iteration: rollout → rewards → (intermediate rewards) → credit → update."""
+        cfg, model = self.cfg, self.model
+        timer = PhaseTimer()
+        stats: dict[str, Any] = {}
+        P, G = cfg.data.prompts_per_iter, cfg.data.group_size
+        prompts, meta, gids = self.prompt_sampler.draw(P, G)
+        B = len(prompts)
+        guidance = cfg.sampler.guidance_scale
+        nfe = nfe_per_sample(self.uncond1, guidance)
+
+        # ---------------------------------------------------------------- ROLLOUT
+        with timer("rollout"):
+            model.eval()
+            cond = model.encode_prompts(prompts)
+            uncond = cond_repeat(self.uncond1, B) if self.uncond1 is not None else None
+            init = make_initial_noise(B, tuple(model.latent_shape), gids, cfg.shared_noise, self.gen)
+            traj = rollout(
+                model, prompts, meta, gids, timesteps=self.timesteps, sampler=self.params, guidance_scale=guidance,
+                generator=self.gen, init_noise=init, keep_velocities=needs_step_rewards(cfg.credit),
+                train_fraction=cfg.sampler.timestep_fraction, cond=cond, uncond=uncond,
+            )
+        T = traj.num_steps
+        stats["nfe_rollout"] = B * T * nfe
+
+        # ---------------------------------------------------------------- REWARD
+        with timer("reward"):
+            images = model.decode(traj.latents[:, -1])
+            ro = self.reward_fn(images, prompts, meta)
+            traj.rewards = ro.scores.float()
+        stats["reward_calls"] = B
+        stats["reward_mean"] = float(traj.rewards.mean())
+        stats["reward_std"] = float(traj.rewards.std(unbiased=False))
+        for k, v in ro.components.items():
+            stats[f"{k}_mean"] = float(v.float().mean())
+
+        # ---------------------------------------------------------------- INTERMEDIATE REWARDS (Stepwise / VGPO)
+        step_rewards = instant = None
+        if needs_step_rewards(cfg.credit):
+            with timer("estimates"):
+                est = trajectory_estimates(
+                    model, traj, cond, uncond, guidance, cfg.estimate.substeps, cfg.estimate.chunk_size, cfg.shared_noise
+                )
+            stats["nfe_estimates"] = est.nfe
+            with timer("estimate_rewards"):
+                step_rewards, calls = self._score_states(est.x0_hat[:, :-1], prompts, meta, gids, cfg.shared_noise)
+                step_rewards = torch.cat([step_rewards, traj.rewards[:, None]], dim=1)  # ρ_T = R(x0)
+            stats["reward_calls"] += calls
+            traj.step_rewards = step_rewards
+        if needs_instant_rewards(cfg.credit) and not (needs_step_rewards(cfg.credit) and cfg.estimate.substeps == cfg.estimate.instant_substeps):
+            # VGPO I_j = R(x̂0 of the post-action state x^(j+1)), one-step Tweedie by default (§5.2)
+            with timer("estimates"):
+                instant, n_inst = self._instant_rewards(traj, cond, uncond, guidance, prompts, meta)
+            stats["reward_calls"] += n_inst["calls"]
+            stats["nfe_estimates"] = stats.get("nfe_estimates", 0) + n_inst["nfe"]
+
+        # ---------------------------------------------------------------- CREDIT
+        with timer("credit"):
+            cin = CreditInput(
+                rewards=traj.rewards, group_ids=gids, step_mask=traj.step_mask, step_rewards=step_rewards,
+                instant_rewards=instant, state=self.credit_state,
+            )
+            cout = assign_credit(cfg.credit, cin)
+            self.credit_state = cout.state
+            adv = cout.advantages.float()  # (B, T)
+        for k, v in cout.stats.items():
+            stats[f"credit/{k}"] = v
+
+        # ---------------------------------------------------------------- UPDATE
+        with timer("update"):
+            ustats = self.update(traj, adv, cond, uncond)
+        stats.update(ustats)
+        stats["nfe_update"] = ustats.pop("_nfe")
+        stats["seconds"] = timer.seconds
+        stats["seconds_total"] = sum(timer.seconds.values())
+        stats["_images"] = images
+        stats["_prompts"] = prompts
+        return stats
+
+    # ---------------------------------------------------------------------------------------------------------
+    def _score_states(self, x0_hat, prompts, meta, gids, shared_initial):
+        """Rewards of decoded x̂0 estimates. x0_hat: (B, T, *latent) for states j = 0..T−1. Returns (B, T), calls."""
+        B, T = x0_hat.shape[:2]
+        flat = x0_hat.reshape(B * T, *x0_hat.shape[2:])
+        idx = torch.arange(B * T)
+        if shared_initial:  # state j = 0 is shared within a group: score it once per group
+            first = {}
+            for b in range(B):
+                first.setdefault(int(gids[b]), b)
+            keep = [b * T + j for b in range(B) for j in range(T) if j > 0 or first[int(gids[b])] == b]
+        else:
+            keep = idx.tolist()
+        p = [prompts[k // T] for k in keep]
+        m = [meta[k // T] for k in keep]
+        imgs = self.model.decode(flat[keep])
+        scores = torch.empty(B * T)
+        sc = self.reward_fn(imgs, p, m).scores.float()
+        scores[keep] = sc
+        if shared_initial:
+            for b in range(B):
+                scores[b * T] = scores[first[int(gids[b])] * T]
+        return scores.view(B, T), len(keep)
+
+    def _instant_rewards(self, traj: Trajectory, cond, uncond, guidance, prompts, meta):
+        """VGPO instant rewards I_j (B, T) from x̂0 of the post-action states with `instant_substeps`."""
+        B, T = traj.batch_size, traj.num_steps
+        states = traj.latents[:, 1:T]  # x^(1) … x^(T−1); x^(T) is the sample (I_{T−1} = R(x0))
+        ts = traj.timesteps[1:T]
+        flat = states.reshape(B * (T - 1), *states.shape[2:])
+        tt = ts.repeat(B)
+        rows = torch.arange(B).repeat_interleave(T - 1)
+        v_first = traj.velocities[:, 1:T].reshape_as(flat) if traj.velocities is not None else None
+        x0 = []
+        cs = self.cfg.estimate.chunk_size
+        for s in range(0, flat.shape[0], cs):
+            sl = slice(s, s + cs)
+            r = rows[sl]
+            x0.append(
+                denoise_estimate(
+                    self.model, flat[sl], tt[sl], cond_index(cond, r), cond_index(uncond, r) if uncond is not None else None,
+                    guidance, self.cfg.estimate.instant_substeps, v_first=v_first[sl] if v_first is not None else None,
+                )
+            )
+        x0 = torch.cat(x0)
+        sc = self.reward_fn(self.model.decode(x0), [prompts[int(r)] for r in rows], [meta[int(r)] for r in rows]).scores.float()
+        inst = torch.cat([sc.view(B, T - 1), traj.rewards[:, None]], dim=1)
+        k = self.cfg.estimate.instant_substeps
+        nfe = flat.shape[0] * (k - (1 if v_first is not None else 0)) * nfe_per_sample(uncond, guidance)
+        return inst, {"calls": flat.shape[0], "nfe": nfe}
+
+    def update(self, traj: Trajectory, adv: torch.Tensor, cond, uncond) -> dict[str, Any]:
+        """PPO-clipped policy-gradient update over (sample, step) pairs with gradient accumulation.
+
+        The loss of one optimizer step is Σ_pairs [−min(r·A, clip(r)·A) + β·KL] / N_pairs, accumulated over
+        micro-batches of `optim.micro_batch` pairs, so micro-batch size never changes the gradient.
+        """
+        cfg, model = self.cfg, self.model
+        oc = cfg.optim
+        B, T = adv.shape
+        guidance = cfg.sampler.guidance_scale
+        mask = traj.step_mask.clone()
+        pairs = [(b, j) for b in range(B) for j in range(T) if mask[j]]
+        if cfg.sampler.train_steps_per_sample > 0:
+            k = cfg.sampler.train_steps_per_sample
+            steps_ok = [j for j in range(T) if mask[j]]
+            pairs = []
+            for b in range(B):
+                perm = torch.randperm(len(steps_ok), generator=self.gen)[:k]
+                pairs += [(b, steps_ok[int(i)]) for i in perm]
+        if oc.kl_beta == 0:
+            # Pairs with zero advantage and no KL term contribute no gradient: skip their forward/backward.
+            pairs = [(b, j) for (b, j) in pairs if adv[b, j] != 0]
+        on_policy = oc.inner_epochs == 1 and oc.updates_per_epoch == 1
+        out: dict[str, Any] = {"pairs_trained": len(pairs), "_nfe": 0}
+        if not pairs:
+            out.update(loss=0.0, grad_norm=0.0, clipfrac=0.0, approx_kl=0.0, kl=0.0, ratio_mean=1.0, parity_max_abs_dlogp=0.0, skipped_update=1)
+            return out
+        model.train()
+        acc: dict[str, list[float]] = {}
+        nfe = nfe_per_sample(uncond, guidance)
+        for _epoch in range(oc.inner_epochs):
+            order = torch.randperm(len(pairs), generator=self.gen).tolist()
+            chunks = np.array_split(np.array(order), oc.updates_per_epoch)
+            for chunk in chunks:
+                if len(chunk) == 0:
+                    continue
+                self.opt.zero_grad(set_to_none=True)
+                n_pairs = len(chunk)
+                for s in range(0, n_pairs, oc.micro_batch):
+                    mb = [pairs[int(i)] for i in chunk[s : s + oc.micro_batch]]
+                    bi = torch.tensor([p[0] for p in mb])
+                    ji = torch.tensor([p[1] for p in mb])
+                    x_t = traj.latents[bi, ji]
+                    x_next = traj.latents[bi, ji + 1]
+                    t, t_next = traj.timesteps[ji], traj.timesteps[ji + 1]
+                    c = cond_index(cond, bi)
+                    u = cond_index(uncond, bi) if uncond is not None else None
+                    v = policy_velocity(model, x_t, t, c, u, guidance)
+                    step = sampler_step(self.params, x_t, v, t, t_next, x_next=x_next)
+                    rollout_lp = traj.log_probs[bi, ji]
+                    old_lp = step.log_prob.detach() if on_policy else rollout_lp
+                    a = adv[bi, ji]
+                    loss_pg, st = clipped_surrogate(step.log_prob, old_lp, a, oc.clip_range)
+                    loss = loss_pg
+                    kl = torch.zeros_like(loss_pg)
+                    if self.ref_model is not None:
+                        with torch.no_grad():
+                            v_ref = policy_velocity(self.ref_model, x_t, t, c, u, guidance)
+                            ref = sampler_step(self.params, x_t, v_ref, t, t_next, x_next=x_next)
+                        kl = gaussian_kl_same_std(step.mean, ref.mean, step.kl_std, self.params.reduce)
+                        loss = loss + oc.kl_beta * kl
+                        out["_nfe"] += len(mb) * nfe
+                    (loss.sum() / n_pairs).backward()
+                    out["_nfe"] += len(mb) * nfe * 2  # forward + backward ≈ counted as 2 NFE-equivalents
+                    for k, val in st.items():
+                        acc.setdefault(k, []).append(float(val) * len(mb))
+                    acc.setdefault("kl", []).append(float(kl.sum()))
+                    acc.setdefault("loss", []).append(float(loss.sum()))
+                    acc.setdefault("parity", []).append(float((step.log_prob.detach() - rollout_lp).abs().max()))
+                gn = torch.nn.utils.clip_grad_norm_(self.trainable, oc.grad_clip)
+                if not torch.isfinite(gn):
+                    self.opt.zero_grad(set_to_none=True)
+                    out["skipped_update"] = out.get("skipped_update", 0) + 1
+                    continue
+                self.opt.step()
+                acc.setdefault("grad_norm", []).append(float(gn))
+                if self.ema is not None:
+                    with torch.no_grad():
+                        for e, p in zip(self.ema, self.trainable):
+                            e.lerp_(p.detach(), 1 - oc.ema_decay)
+        n_total = len(pairs) * oc.inner_epochs
+        for k in ("loss", "kl"):
+            out[k] = sum(acc.get(k, [0.0])) / n_total
+        for k in ("clipfrac", "approx_kl", "ratio_mean"):
+            if k in acc:
+                out[k] = sum(acc[k]) / n_total
+        out["grad_norm"] = float(np.mean(acc.get("grad_norm", [0.0])))
+        out["parity_max_abs_dlogp"] = max(acc.get("parity", [0.0]))
+        return out
+
+    # ------------------------------------------------------------------------------------------- logging / io
+    def log(self, stats: dict[str, Any]) -> None:
+        rec = {"iteration": self.iteration}
+        for k, v in stats.items():
+            if k.startswith("_"):
+                continue
+            rec[k] = v
+        self.metrics_f.write(json.dumps(rec) + "\n")
+        self.metrics_f.flush()
+        if self.tb is not None:
+            for k, v in rec.items():
+                if isinstance(v, (int, float)) and k != "iteration" and math.isfinite(float(v)):
+                    self.tb.add_scalar(k, v, self.iteration)
+            for k, v in rec.get("seconds", {}).items():
+                self.tb.add_scalar(f"seconds/{k}", v, self.iteration)
+
+    def save_grid(self, images: torch.Tensor, prompts: list[str]) -> None:
+        from ..eval.evaluate import make_grid, save_png
+
+        G = self.cfg.data.group_size
+        u8 = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        save_png(make_grid(u8, ncol=G), self.out / "grids" / f"iter{self.iteration:05d}.png", scale=3)
+        (self.out / "grids" / f"iter{self.iteration:05d}.txt").write_text("\n".join(prompts[::G]) + "\n")
+
+    def _swap_in_ema(self):
+        if self.ema is None:
+            return None
+        backup = [p.detach().clone() for p in self.trainable]
+        with torch.no_grad():
+            for p, e in zip(self.trainable, self.ema):
+                p.copy_(e)
+        return backup
+
+    def _swap_back(self, backup) -> None:
+        if backup is None:
+            return
+        with torch.no_grad():
+            for p, b in zip(self.trainable, backup):
+                p.copy_(b)
+
+    def periodic_eval(self) -> None:
+        from ..eval.evaluate import evaluate, tag_balanced_subset
+
+        sub = tag_balanced_subset(self.eval_prompts, self.cfg.run.eval_subset)
+        backup = self._swap_in_ema()
+        self.model.eval()
+        t0 = time.time()
+        s = evaluate(self.model, sub, steps=self.cfg.run.eval_steps, guidance=self.cfg.run.eval_guidance, seed=self.cfg.run.seed + 12345, shift=self.cfg.sampler.shift)
+        self._swap_back(backup)
+        rec = {"iteration": self.iteration, "eval_reward": s["reward_mean"], "eval_strict": s.get("strict_overall"), "eval_seconds": time.time() - t0}
+        with open(self.out / "eval_curve.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.tb is not None:
+            self.tb.add_scalar("eval/reward", s["reward_mean"], self.iteration)
+            if s.get("strict_overall") is not None:
+                self.tb.add_scalar("eval/strict_overall", s["strict_overall"], self.iteration)
+
+    def final_eval(self) -> dict[str, Any]:
+        """eval.json: the trained model (EMA weights if on) and, with run.eval_baseline, the initial model, on the
+        same prompts with the same noise, via the same code path as `flowcredit eval`."""
+        from ..eval.evaluate import evaluate
+
+        rc = self.cfg.run
+        kw = dict(steps=rc.eval_steps, guidance=rc.eval_guidance, seed=rc.seed + 12345, shift=self.cfg.sampler.shift)
+        backup = self._swap_in_ema()
+        self.model.eval()
+        t0 = time.time()
+        trained = evaluate(self.model, self.eval_prompts, out_dir=self.out / "eval", write_samples=False, **kw)
+        self._swap_back(backup)
+        result: dict[str, Any] = {"trained": trained, "eval_seconds": time.time() - t0}
+        if self.initial_state is not None:
+            current = {k: v.detach().clone() for k, v in self.model.net.state_dict().items()}
+            self.model.net.load_state_dict(self.initial_state)
+            base = evaluate(self.model, self.eval_prompts, out_dir=self.out / "eval_base", write_samples=False, **kw)
+            self.model.net.load_state_dict(current)
+            result["base"] = base
+            result["delta"] = {
+                "reward_mean": trained["reward_mean"] - base["reward_mean"],
+                **({"strict_overall": trained["strict_overall"] - base["strict_overall"],
+                    "correct_overall": trained["correct_overall"] - base["correct_overall"]} if "strict_overall" in base else {}),
+            }
+        (self.out / "eval.json").write_text(json.dumps(result, indent=2))
+        return result
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {
+            "iteration": self.iteration,
+            "model": self.model.net.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "ema": dict(zip(self.trainable_names, self.ema)) if self.ema is not None else None,
+            "model_config": dataclasses.asdict(self.model.cfg),
+            "credit_state": self.credit_state,
+            "torch_rng": self.gen.get_state(),
+            "global_torch_rng": torch.get_rng_state(),
+            "prompt_sampler": self.prompt_sampler.state_dict(),
+        }
+
+    def save_checkpoint(self) -> Path:
+        """Atomic write (temp file + rename) of every state; keeps the two newest checkpoints."""
+        d = self.out / "checkpoints"
+        path = d / f"iter{self.iteration:06d}.pt"
+        if path.exists():
+            return path
+        tmp = path.with_suffix(".pt.tmp")
+        torch.save(self.checkpoint_state(), tmp)
+        os.replace(tmp, path)
+        for old in sorted(d.glob("iter*.pt"))[:-2]:
+            old.unlink()
+        return path
+
+    def latest_checkpoint(self) -> Path | None:
+        cks = sorted((self.out / "checkpoints").glob("iter*.pt"))
+        return cks[-1] if cks else None
+
+    def load_checkpoint(self, path: Path) -> None:
+        st = torch.load(path, weights_only=False)
+        self.model.net.load_state_dict(st["model"])
+        self.opt.load_state_dict(st["optimizer"])
+        self.ema = [st["ema"][n] for n in self.trainable_names] if st["ema"] is not None else None
+        self.credit_state = st["credit_state"]
+        self.gen.set_state(st["torch_rng"])
+        torch.set_rng_state(st["global_torch_rng"])
+        self.prompt_sampler.load_state_dict(st["prompt_sampler"])
+        self.iteration = st["iteration"]
