@@ -42,7 +42,7 @@ class ModelCfg:
 @dataclass
 class SamplerCfg:
     name: Literal["flow_sde", "ddim_sde", "cps", "ode"] = _h("flow_sde", "Rollout SDE (ALGORITHMS.md §2): Flow-GRPO's flow_sde, Stepwise's ddim_sde, Flow-CPS, or ode.")
-    noise_level: float = _h(0.7, "a for flow_sde/cps (Flow-GRPO a=0.7), η for ddim_sde (0.9).")
+    noise_level: Optional[float] = _h(None, "a for flow_sde/cps (Flow-GRPO a=0.7), η for ddim_sde (0.9); null = the sampler's default.")
     num_steps: int = _h(10, "Rollout steps T (Flow-GRPO: 10 for training).")
     shift: float = _h(3.0, "SD3 timestep shift of the time grid.")
     grid: Literal["uniform", "diffusers"] = _h("uniform", "Time grid: shifted linspace(1, 0) or diffusers' FlowMatchEulerDiscreteScheduler grid.")
@@ -66,17 +66,21 @@ class DataCfg:
     train_prompts: str = _h("shapes:train", "Training prompts: shapes:train, or a .jsonl (GenEval schema) / .txt prompt file.")
     prompts_per_iter: int = _h(8, "Distinct prompts per iteration (groups).")
     group_size: int = _h(8, "Samples per prompt G (GRPO group).")
+    batch_size: Optional[int] = _h(None, "Samples per iteration B; if set it must be divisible by group_size and sets prompts_per_iter = B / G.")
     balance_tags: bool = _h(True, "For GenEval-schema prompts: draw the tag uniformly, then a prompt of that tag (Flow-GRPO mixes tasks by weight).")
 
     def __post_init__(self):
         if self.group_size < 2:
             raise ValueError(f"data.group_size must be >= 2 for group-relative advantages, got {self.group_size}")
+        if self.batch_size is not None:
+            if self.batch_size % self.group_size != 0:
+                raise ValueError(
+                    f"data.batch_size={self.batch_size} is not divisible by data.group_size={self.group_size}; "
+                    f"use a multiple of {self.group_size} (e.g. {self.group_size * max(1, round(self.batch_size / self.group_size))})"
+                )
+            self.prompts_per_iter = self.batch_size // self.group_size
         if self.prompts_per_iter < 1:
             raise ValueError(f"data.prompts_per_iter must be >= 1, got {self.prompts_per_iter}")
-
-    @property
-    def batch_size(self) -> int:
-        return self.prompts_per_iter * self.group_size
 
 
 @dataclass
