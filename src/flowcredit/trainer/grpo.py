@@ -226,7 +226,7 @@ class GRPOTrainer:
             init = make_initial_noise(B, tuple(model.latent_shape), gids, cfg.shared_noise, self.gen)
             traj = rollout(
                 model, prompts, meta, gids, timesteps=self.timesteps, sampler=self.params, guidance_scale=guidance,
-                generator=self.gen, init_noise=init, keep_velocities=needs_step_rewards(cfg.credit),
+                generator=self.gen, init_noise=init, keep_velocities=needs_step_rewards(cfg.credit) or needs_instant_rewards(cfg.credit),
                 train_fraction=cfg.sampler.timestep_fraction, cond=cond, uncond=uncond,
             )
         T = traj.num_steps
