@@ -22,6 +22,7 @@ log-probs are compared with the recomputed ones every iteration (`parity_max_abs
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -122,8 +123,9 @@ class GRPOTrainer:
         self.trainable_names = [n for n, p in self.model.net.named_parameters() if p.requires_grad]
         self.model.train()
         # Reference policy for the KL (a frozen copy of the initial weights; LoRA would disable the adapter).
+        # LoRA models give the reference by disabling the adapter (`model.reference()` context, no copy).
         self.ref_model = None
-        if cfg.optim.kl_beta > 0:
+        if cfg.optim.kl_beta > 0 and not hasattr(self.model, "reference"):
             self.ref_model = copy.deepcopy(self.model).requires_grad_(False).eval()
         self.initial_state = None
         if cfg.run.eval_baseline and cfg.run.eval_at_end:
@@ -392,9 +394,9 @@ class GRPOTrainer:
                     loss_pg, st = clipped_surrogate(step.log_prob, old_lp, a, oc.clip_range)
                     loss = loss_pg
                     kl = torch.zeros_like(loss_pg)
-                    if self.ref_model is not None:
-                        with torch.no_grad():
-                            v_ref = policy_velocity(self.ref_model, x_t, t, c, u, guidance)
+                    if oc.kl_beta > 0:
+                        with torch.no_grad(), self._reference() as ref_model:
+                            v_ref = policy_velocity(ref_model, x_t, t, c, u, guidance)
                             ref = sampler_step(self.params, x_t, v_ref, t, t_next, x_next=x_next)
                         kl = gaussian_kl_same_std(step.mean, ref.mean, step.kl_std, self.params.reduce)
                         loss = loss + oc.kl_beta * kl
@@ -426,6 +428,13 @@ class GRPOTrainer:
         out["grad_norm"] = float(np.mean(acc.get("grad_norm", [0.0])))
         out["parity_max_abs_dlogp"] = max(acc.get("parity", [0.0]))
         return out
+
+    def _reference(self):
+        """Context yielding the reference policy π_ref: a frozen copy of the initial weights, or the model itself
+        with its LoRA adapter disabled when it provides `reference()` (Flow-GRPO: `disable_adapter()`)."""
+        if self.ref_model is not None:
+            return contextlib.nullcontext(self.ref_model)
+        return self.model.reference()
 
     # ------------------------------------------------------------------------------------------- logging / io
     def log(self, stats: dict[str, Any]) -> None:
