@@ -1,0 +1,117 @@
+"""Pretraining of the tiny model: run folder contents, resumption and bit-exact determinism of resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flowcredit.models.pretrain import PretrainConfig, pretrain, sample_t
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def _cfg(out, steps):
+    return PretrainConfig(
+        out_dir=str(out), steps=steps, batch_size=4, model={"width": 32, "depth": 1, "heads": 2},
+        checkpoint_every=2, log_every=1, bf16=False, threads=1,
+    )
+
+
+def _log(out):
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A 3-step run resumed to 5 steps, and a straight 5-step run."""
+    base = tmp_path_factory.mktemp("pretrain")
+    resumed, straight = base / "resumed", base / "straight"
+    # The same global seed before both runs: the initial weights come from the global RNG (see the xfail below).
+    torch.manual_seed(0)
+    pretrain(_cfg(resumed, 3), progress=False)
+    after3 = {"log": _log(resumed), "state": torch.load(resumed / "state.pt", weights_only=False)}
+    pretrain(_cfg(resumed, 5), progress=False)
+    torch.manual_seed(0)
+    pretrain(_cfg(straight, 5), progress=False)
+    return resumed, straight, after3
+
+
+def test_run_folder_contents(runs):
+    resumed, _, after3 = runs
+    assert [r["step"] for r in after3["log"]] == [1, 2, 3]
+    assert after3["state"]["step"] == 3
+    for r in after3["log"]:
+        assert set(r) >= {"step", "loss", "grad_norm", "lr", "elapsed_s"}
+        assert r["loss"] > 0 and torch.isfinite(torch.tensor(r["loss"]))
+    assert json.loads((resumed / "config.json").read_text())["steps"] == 5
+    snaps = sorted(p.name for p in (resumed / "ema").glob("*.safetensors"))
+    # snapshots every checkpoint_every steps and at the end of each run
+    assert snaps == ["step000002.safetensors", "step000003.safetensors", "step000004.safetensors", "step000005.safetensors"]
+    meta = json.loads((resumed / "ema" / "step000004.json").read_text())
+    assert meta["step"] == 4 and meta["config"]["width"] == 32
+
+
+def test_resume_continues_from_checkpoint(runs):
+    resumed, _, _ = runs
+    assert [r["step"] for r in _log(resumed)] == [1, 2, 3, 4, 5]
+    assert torch.load(resumed / "state.pt", weights_only=False)["step"] == 5
+    assert not list(resumed.glob("*.tmp"))  # atomic writes leave no temp file
+
+
+def test_resume_is_bit_exact(runs):
+    resumed, straight, _ = runs
+    a = torch.load(resumed / "state.pt", weights_only=False)
+    b = torch.load(straight / "state.pt", weights_only=False)
+    for key in ("model", "ema"):
+        assert a[key].keys() == b[key].keys()
+        for k in a[key]:
+            assert torch.equal(a[key][k], b[key][k]), (key, k)
+    la, lb = _log(resumed), _log(straight)
+    assert [r["loss"] for r in la] == [r["loss"] for r in lb]
+    ea = load_file(str(resumed / "ema" / "step000005.safetensors"))
+    eb = load_file(str(straight / "ema" / "step000005.safetensors"))
+    assert all(torch.equal(ea[k], eb[k]) for k in ea)
+    # and training did move the weights
+    s3 = runs[2]["state"]["model"]
+    assert any(not torch.equal(s3[k], a["model"][k]) for k in s3)
+
+
+@pytest.mark.xfail(strict=True, reason="pretrain.py logs lr_at(step) after step += 1: the lr of the NEXT step, not the one used")
+def test_logged_lr_is_the_lr_used(runs):
+    resumed, _, _ = runs
+    cfg = _cfg(resumed, 5)
+    for r in _log(resumed):
+        used = cfg.lr * min(1.0, r["step"] / cfg.warmup)  # step s (1-based) ran with lr_at(s - 1)
+        assert r["lr"] == pytest.approx(used)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="pretrain.py builds TinyFlowModel with the GLOBAL torch RNG: cfg.seed does not determine the initial weights",
+)
+def test_seed_determines_initial_weights(tmp_path):
+    states = []
+    for global_seed, name in ((1, "a"), (2, "b")):
+        torch.manual_seed(global_seed)
+        cfg = _cfg(tmp_path / name, 1)
+        pretrain(cfg, progress=False)
+        states.append(torch.load(tmp_path / name / "state.pt", weights_only=False)["model"])
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_sample_t_range_and_shift():
+    g = torch.Generator().manual_seed(0)
+    t1 = sample_t(4096, 1.0, g)
+    g = torch.Generator().manual_seed(0)
+    t3 = sample_t(4096, 3.0, g)
+    assert (t1 > 0).all() and (t1 < 1).all() and (t3 > 0).all() and (t3 < 1).all()
+    assert t3.mean() > t1.mean()  # the shift moves mass towards noise (t = 1)
+    assert abs(float(t1.mean()) - 0.5) < 0.02

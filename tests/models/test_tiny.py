@@ -1,0 +1,122 @@
+"""The built-in tiny model: tokenizer coverage of the prompt generator, velocity contract, save/load, shipped asset."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from flowcredit.models.tiny import ASSET_DIR, SHIPPED_NAME, SPECIAL_TOKENS, TinyDiTConfig, TinyFlowModel, WordTokenizer
+from flowcredit.shapes.prompts import make_splits
+
+SMALL = dict(width=32, depth=1, heads=2)
+
+
+def _perturbed_model(seed: int = 0) -> TinyFlowModel:
+    """A random tiny model whose zero-initialised adaLN/output layers are perturbed, so outputs are non-trivial."""
+    torch.manual_seed(seed)
+    model = TinyFlowModel(TinyDiTConfig(**SMALL))
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.net.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+@pytest.mark.parametrize("resolution", [32, 64])
+def test_tokenizer_covers_every_generated_prompt(resolution):
+    tok = TinyFlowModel(TinyDiTConfig(resolution=resolution, **SMALL)).tokenizer
+    unk = tok.stoi["[UNK]"]
+    splits = make_splits(resolution)
+    prompts = sorted({r["prompt"] for key in ("train", "test", "test_lines") for r in splits[key]})
+    assert len(prompts) > 100
+    for p in prompts:
+        words = tok.split(p)
+        assert all(w in tok.stoi for w in words), (p, [w for w in words if w not in tok.stoi])
+        assert len(words) + 1 <= tok.max_length, p  # [CLS] + words fit: nothing is truncated
+        ids, mask = tok([p])
+        assert (ids[0] != unk).all(), p
+        assert int(mask[0].sum()) == len(words) + 1
+        # round trip: ids decode back to the words of the prompt
+        assert [tok.itos[i] for i in ids[0, 1 : len(words) + 1].tolist()] == words
+
+
+def test_tokenizer_empty_prompt_and_unknown_word():
+    tok = WordTokenizer(["a", "photo"], max_length=6)
+    assert tok.itos[: len(SPECIAL_TOKENS)] == list(SPECIAL_TOKENS)
+    ids, mask = tok(["", "a zebra photo"])
+    assert ids.shape == (2, 6) and ids.dtype == torch.long and mask.dtype == torch.bool
+    assert ids[0].tolist() == [tok.stoi["[CLS]"]] + [tok.stoi["[PAD]"]] * 5
+    assert mask[0].tolist() == [True] + [False] * 5
+    assert ids[1, :4].tolist() == [tok.stoi["[CLS]"], tok.stoi["a"], tok.stoi["[UNK]"], tok.stoi["photo"]]
+
+
+def test_velocity_shape_dtype_and_decode_range():
+    model = _perturbed_model()
+    B = 3
+    cond = model.encode_prompts(["a photo of a red circle", "", "a photo of two squares"])
+    x = torch.randn(B, *model.latent_shape)
+    with torch.no_grad():
+        v = model.velocity(x, torch.tensor([1.0, 0.5, 0.1]), cond)
+    assert model.latent_shape == (3, 32, 32)
+    assert v.shape == x.shape and v.dtype == torch.float32
+    assert torch.isfinite(v).all() and v.abs().sum() > 0
+    # the prompt matters (text conditioning is wired in)
+    assert not torch.allclose(v[0], v[1])
+    img = model.decode(x)
+    assert img.shape == (B, 3, 32, 32) and img.min() >= 0 and img.max() <= 1
+    torch.testing.assert_close(model.encode_images(model.decode(x.clamp(-1, 1))), x.clamp(-1, 1))
+
+
+def test_velocity_bf16_autocast_returns_fp32():
+    model = _perturbed_model()
+    model.compute_dtype = torch.bfloat16
+    cond = model.encode_prompts(["a photo of a red circle"])
+    with torch.no_grad():
+        v = model.velocity(torch.randn(1, *model.latent_shape), torch.tensor([0.5]), cond)
+    assert v.dtype == torch.float32 and torch.isfinite(v).all()
+
+
+def test_save_load_is_bit_exact(tmp_path):
+    model = _perturbed_model(3)
+    path = model.save(tmp_path, name="m", extra={"note": "test"})
+    assert path == tmp_path / "m.safetensors" and (tmp_path / "m.json").exists()
+    loaded = TinyFlowModel.load(path)
+    assert loaded.cfg == model.cfg
+    assert not loaded.training
+    x = torch.randn(2, *model.latent_shape)
+    t = torch.tensor([0.9, 0.2])
+    with torch.no_grad():
+        a = model.velocity(x, t, model.encode_prompts(["a photo of a cross", ""]))
+        b = loaded.velocity(x, t, loaded.encode_prompts(["a photo of a cross", ""]))
+    assert torch.equal(a, b)
+    # a directory holding one weights file loads too
+    assert torch.equal(TinyFlowModel.load(tmp_path).net.patch_out.weight, model.net.patch_out.weight)
+
+
+def test_load_missing_file_has_clear_error(tmp_path):
+    missing = tmp_path / "nope.safetensors"
+    with pytest.raises(FileNotFoundError, match=r"nope\.safetensors.*not found"):
+        TinyFlowModel.load(missing)
+    with pytest.raises(FileNotFoundError, match="no .safetensors file"):
+        TinyFlowModel.load(tmp_path)
+    TinyFlowModel(TinyDiTConfig(**SMALL)).save(tmp_path, name="m")
+    (tmp_path / "m.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"m\.json.*missing"):
+        TinyFlowModel.load(tmp_path / "m.safetensors")
+
+
+SHIPPED = ASSET_DIR / f"{SHIPPED_NAME}.safetensors"
+
+
+@pytest.mark.skipif(not SHIPPED.exists(), reason=f"shipped checkpoint models/assets/{SHIPPED.name} not produced yet (pretraining)")
+def test_shipped_checkpoint_small_and_fast():
+    assert SHIPPED.stat().st_size <= 20 * 2**20
+    t0 = time.perf_counter()
+    model = TinyFlowModel.load(None)
+    assert time.perf_counter() - t0 < 2.0
+    assert model.latent_shape == (3, 32, 32)
+    with torch.no_grad():
+        v = model.velocity(torch.randn(1, *model.latent_shape), torch.tensor([0.5]), model.encode_prompts(["a photo of a red circle"]))
+    assert torch.isfinite(v).all()

@@ -1,0 +1,341 @@
+"""GRPOTrainer end to end on a small random tiny model (CPU, fp32): on-policy log-prob parity, every trainable
+parameter updated, micro-batch invariance of the gradient, zero-variance groups, run folder, methods, resume."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from flowcredit.cli.main import PRESET_DIR
+from flowcredit.config import load_config
+from flowcredit.config.schema import TrainConfig
+from flowcredit.models.tiny import TinyDiTConfig, TinyFlowModel
+from flowcredit.rewards.base import RewardOutput
+from flowcredit.samplers.policy import policy_velocity
+from flowcredit.samplers.sde import sampler_step
+from flowcredit.trainer.grpo import GRPOTrainer
+
+P, G, T = 2, 2, 3  # prompts per iteration, group size, rollout steps
+B = P * G
+T_TRAINED = int(T * 0.99)  # the preset's timestep_fraction 0.99 trains the first 2 of 3 steps
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    """A random width-32 tiny model; the zero-initialised adaLN / output layers are perturbed so that every
+    parameter influences the velocity (with the zero init only the output layer would get a gradient)."""
+    torch.manual_seed(0)
+    model = TinyFlowModel(TinyDiTConfig(width=32, depth=1, heads=2))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.net.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return model.save(tmp_path_factory.mktemp("model"), name="m")
+
+
+def make_cfg(tmp_path, model_path, *overrides, out="run"):
+    base = [
+        f"model.path={model_path}", "model.precision=fp32", f"sampler.num_steps={T}",
+        f"data.prompts_per_iter={P}", f"data.group_size={G}", "run.iterations=1", "run.threads=1",
+        f"run.out_dir={tmp_path / out}", "run.eval_prompts=shapes:test_unique", "run.eval_steps=2",
+        "run.eval_at_end=false", "run.grid_every=0",
+    ]
+    return load_config(TrainConfig, "tiny_flow_grpo", base + list(overrides), preset_dirs=[PRESET_DIR])
+
+
+def make_trainer(tmp_path, model_path, *overrides, out="run", reward=None):
+    tr = GRPOTrainer(make_cfg(tmp_path, model_path, *overrides, out=out), preset_name="test")
+    tr.setup()
+    if reward is not None:
+        tr.reward_fn = reward
+    return tr
+
+
+def image_mean_reward(images, prompts, metadata, **kw):
+    """A deterministic fake reward with distinct scores per sample (so group advantages are non-zero)."""
+    return RewardOutput(scores=images.float().mean(dim=(1, 2, 3)))
+
+
+def constant_reward(images, prompts, metadata, **kw):
+    return RewardOutput(scores=torch.full((images.shape[0],), 0.5))
+
+
+class ShapesPlusMean:
+    """The real shapes reward (strict/correct components) plus a small image-mean term so groups have variance."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def __call__(self, images, prompts, metadata, **kw):
+        out = self.real(images, prompts, metadata)
+        out.scores = out.scores + 0.01 * images.float().mean(dim=(1, 2, 3))
+        return out
+
+
+def spy_update(tr):
+    """Wrap tr.update to record its inputs (and run a check before the optimizer touches the weights)."""
+    seen: dict = {}
+    orig = tr.update
+
+    def wrapped(traj, adv, cond, uncond):
+        seen.update(traj=traj, adv=adv.clone(), cond=cond, uncond=uncond)
+        if "before" in seen:
+            seen["before"](traj, adv, cond, uncond)
+        return orig(traj, adv, cond, uncond)
+
+    tr.update = wrapped
+    return seen
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def all_finite(value) -> bool:
+    if isinstance(value, dict):
+        return all(all_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return all(all_finite(v) for v in value)
+    if isinstance(value, (int, float)):
+        return math.isfinite(value)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On-policy parity
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("guidance", [1.0, 3.0])
+@pytest.mark.parametrize("sampler", ["flow_sde", "ddim_sde", "cps"])
+def test_on_policy_logprob_parity(tmp_path, model_path, sampler, guidance):
+    tr = make_trainer(tmp_path, model_path, f"sampler.name={sampler}", f"sampler.guidance_scale={guidance}", reward=image_mean_reward)
+    seen = spy_update(tr)
+    recomputed = {}
+
+    def recompute(traj, adv, cond, uncond):
+        # Independently of the trainer's metric: recompute every trained step's log-prob with the current (= rollout)
+        # weights, in train mode like the update, through the same policy/step functions.
+        tr.model.train()
+        with torch.no_grad():
+            for j in torch.nonzero(traj.step_mask).flatten().tolist():
+                t, tn = traj.timesteps[j].expand(B), traj.timesteps[j + 1].expand(B)
+                v = policy_velocity(tr.model, traj.latents[:, j], t, cond, uncond, guidance)
+                step = sampler_step(tr.params, traj.latents[:, j], v, t, tn, x_next=traj.latents[:, j + 1])
+                recomputed[j] = step.log_prob
+
+    seen["before"] = recompute
+    stats = tr.train_step()
+    traj = seen["traj"]
+    assert traj.step_mask.tolist() == [True] * T_TRAINED + [False] * (T - T_TRAINED)
+    assert stats["pairs_trained"] == B * T_TRAINED
+    assert stats["nfe_rollout"] == B * T * (2 if guidance != 1.0 else 1)
+    lp = traj.log_probs[:, traj.step_mask]
+    assert torch.isfinite(lp).all() and lp.std() > 0  # real, sample-dependent log-probs
+    assert stats["parity_max_abs_dlogp"] < 1e-5
+    assert sorted(recomputed) == list(range(T_TRAINED))
+    for j, rec in recomputed.items():
+        assert (rec - traj.log_probs[:, j]).abs().max() < 1e-5, (sampler, guidance, j)
+    assert stats["clipfrac"] == 0.0 and stats["ratio_mean"] == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The update touches every trainable parameter, and only those
+# ---------------------------------------------------------------------------------------------------------------
+
+FROZEN_BY_BLOCKS = ("text.", "patch_in.", "t_mlp.", "pool_mlp.")
+
+
+@pytest.mark.parametrize("trainable", ["all", "blocks"])
+def test_one_step_changes_every_trainable_parameter(tmp_path, model_path, trainable):
+    # lr = 1e-2 (≈300× the preset) on purpose: Adam's first step is lr·g/(|g| + eps); for a tensor whose gradient is
+    # small next to eps = 1e-8 the step shrinks with it, and at a realistic lr a tensor that DID get a gradient could
+    # move by less than an fp32 ulp and look untouched. weight_decay = 0 because AdamW's decay moves every non-zero
+    # weight even without a gradient, which would make this test pass vacuously.
+    tr = make_trainer(
+        tmp_path, model_path, f"model.trainable={trainable}", "optim.lr=1e-2", "optim.weight_decay=0", reward=image_mean_reward
+    )
+    named = dict(tr.model.net.named_parameters())
+    before = {n: p.detach().clone() for n, p in named.items()}
+    grads = {}
+    orig_step = tr.opt.step
+
+    def step_spy(*a, **k):
+        grads.update({n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in named.items()})
+        return orig_step(*a, **k)
+
+    tr.opt.step = step_spy
+    stats = tr.train_step()
+    assert stats["pairs_trained"] > 0 and stats.get("skipped_update", 0) == 0 and stats["grad_norm"] > 0
+    trainable_names = {n for n, p in named.items() if p.requires_grad}
+    frozen = {n for n in named if n.startswith(FROZEN_BY_BLOCKS)} if trainable == "blocks" else set()
+    assert trainable_names == set(named) - frozen
+    assert {id(p) for p in tr.trainable} == {id(named[n]) for n in trainable_names}
+    unchanged = [n for n in trainable_names if torch.equal(named[n].detach(), before[n])]
+    assert not unchanged, f"trainable parameters not updated: {unchanged}"
+    no_grad = [n for n in trainable_names if grads[n] is None or not grads[n].abs().sum() > 0]
+    assert not no_grad, f"trainable parameters without gradient: {no_grad}"
+    for n in frozen:
+        assert torch.equal(named[n].detach(), before[n]), n
+        assert grads[n] is None, n
+    if trainable == "blocks":
+        assert len(frozen) > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Micro-batching × accumulation does not change the gradient
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _grads_of_one_update(tmp_path, model_path, micro_batch):
+    tr = make_trainer(
+        tmp_path, model_path, "data.group_size=4", f"optim.micro_batch={micro_batch}", "optim.grad_clip=1e9",
+        out=f"mb{micro_batch}", reward=image_mean_reward,
+    )
+    tr.opt.step = lambda *a, **k: None  # keep the accumulated gradient and the weights as they are
+    stats = tr.train_step()
+    return {n: p.grad.detach().clone() for n, p in tr.model.net.named_parameters()}, stats
+
+
+def test_micro_batch_does_not_change_gradient(tmp_path, model_path):
+    ref, ref_stats = _grads_of_one_update(tmp_path, model_path, 64)
+    n_pairs = P * 4 * T_TRAINED
+    assert ref_stats["pairs_trained"] == n_pairs
+    assert sum(float(g.abs().sum()) for g in ref.values()) > 0
+    for mb in (1, 5):  # 5 does not divide the 16 pairs: the last micro-batch is short
+        grads, stats = _grads_of_one_update(tmp_path, model_path, mb)
+        for n, g in ref.items():
+            torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-6, msg=f"micro_batch={mb}: {n}")
+        # the on-policy loss is Σ −A / N ≈ 0 (advantages are centred), so compare it absolutely
+        assert stats["loss"] == pytest.approx(ref_stats["loss"], abs=1e-6)
+        assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Zero-variance groups
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["flow_grpo", "stepwise"])
+def test_zero_variance_groups_skip_update(tmp_path, model_path, method):
+    tr = make_trainer(tmp_path, model_path, f"method={method}", "estimate.substeps=2", reward=constant_reward)
+    seen = spy_update(tr)
+    before = {n: p.detach().clone() for n, p in tr.model.net.state_dict().items()}
+    result = tr.train()
+    assert result["iterations"] == 1
+    adv = seen["adv"]
+    assert adv.shape == (B, T) and torch.isfinite(adv).all() and (adv == 0).all()
+    after = tr.model.net.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # no optimizer step (not even weight decay)
+    (rec,) = read_metrics(tmp_path / "run")
+    assert rec["iteration"] == 1 and rec["skipped_update"] == 1 and rec["pairs_trained"] == 0
+    assert rec["credit/zero_std_group_ratio"] == 1.0 and rec["reward_std"] == 0.0
+    assert all_finite(rec), rec
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A short training run: run folder contents
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_train_writes_run_folder(tmp_path, model_path):
+    tr = make_trainer(
+        tmp_path, model_path, "run.iterations=2", "run.eval_at_end=true", "run.eval_baseline=true", "run.grid_every=1",
+        "optim.lr=1e-3",
+    )
+    tr.reward_fn = ShapesPlusMean(tr.reward_fn)
+    result = tr.train()
+    out = tmp_path / "run"
+    assert result["iterations"] == 2
+    recs = read_metrics(out)
+    assert [r["iteration"] for r in recs] == [1, 2]
+    for r in recs:
+        for key in ("reward_mean", "strict_mean", "credit/zero_std_group_ratio", "kl", "clipfrac", "approx_kl", "grad_norm",
+                    "nfe_rollout", "reward_calls", "parity_max_abs_dlogp"):
+            assert key in r, key
+        assert set(r["seconds"]) >= {"rollout", "reward", "credit", "update"}
+        assert r["nfe_rollout"] == B * T and r["reward_calls"] == B
+        assert r["grad_norm"] > 0 and r["parity_max_abs_dlogp"] < 1e-5
+        assert all_finite(r)
+    # the resolved config loads back to the same object
+    assert load_config(TrainConfig, out / "config.yaml") == tr.cfg
+    assert list((out / "tb").glob("events.out.tfevents*"))
+    assert sorted(p.name for p in (out / "checkpoints").glob("*.pt")) == ["iter000002.pt"]
+    ck = torch.load(out / "checkpoints" / "iter000002.pt", weights_only=False)
+    assert ck["iteration"] == 2 and ck["model"].keys() == tr.model.net.state_dict().keys()
+    assert (out / "grids" / "iter00001.png").exists() and (out / "grids" / "iter00002.txt").exists()
+    ev = json.loads((out / "eval.json").read_text())
+    assert set(ev) >= {"trained", "base", "delta"}
+    for part in ("trained", "base"):
+        assert ev[part]["num_images"] == 216 and "strict_overall" in ev[part] and "correct_overall" in ev[part]
+    assert ev["delta"]["reward_mean"] == pytest.approx(ev["trained"]["reward_mean"] - ev["base"]["reward_mean"])
+    assert ev["delta"]["strict_overall"] == pytest.approx(ev["trained"]["strict_overall"] - ev["base"]["strict_overall"])
+    assert result["eval"]["trained"]["reward_mean"] == ev["trained"]["reward_mean"]
+    assert (out / "eval" / "results.jsonl").exists() and (out / "eval_base" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("method, key", [("stepwise", "credit/gain_abs_mean_per_step"), ("vgpo", "credit/omega_per_step")])
+def test_stepwise_and_vgpo_run(tmp_path, model_path, method, key):
+    tr = make_trainer(tmp_path, model_path, f"method={method}", "estimate.substeps=2", reward=image_mean_reward)
+    assert tr.cfg.credit.name == method and tr.cfg.shared_noise
+    seen = spy_update(tr)
+    tr.train()
+    (rec,) = read_metrics(tmp_path / "run")
+    assert isinstance(rec[key], list) and len(rec[key]) == T and all_finite(rec[key])
+    assert any(v != 0 for v in rec[key])
+    assert rec["pairs_trained"] > 0 and all_finite(rec)
+    traj = seen["traj"]
+    # shared initial noise within a group
+    assert torch.equal(traj.latents[0, 0], traj.latents[1, 0]) and not torch.equal(traj.latents[0, 0], traj.latents[G, 0])
+    if method == "stepwise":
+        # ρ_j for j = 0..T-1 (ρ_0 once per group, the noise is shared) + the terminal rewards
+        assert rec["reward_calls"] == B + B * (T - 1) + P
+        assert traj.step_rewards.shape == (B, T + 1)
+        assert torch.equal(traj.step_rewards[:, -1], traj.rewards)
+        assert rec["nfe_estimates"] > 0
+    else:
+        assert rec["reward_calls"] == B + B * (T - 1)  # instant rewards of x^(1) … x^(T-1) + terminal
+
+
+def test_vgpo_instant_rewards_reuse_rollout_velocities(tmp_path, model_path):
+    # One-step Tweedie of x^(j+1) needs v(x^(j+1), t_{j+1}), which the rollout already computed: no extra NFE.
+    tr = make_trainer(tmp_path, model_path, "method=vgpo", "estimate.instant_substeps=1", reward=image_mean_reward)
+    stats = tr.train_step()
+    assert stats["nfe_estimates"] == 0 and stats["reward_calls"] == B + B * (T - 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resume
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_resume_continues_and_matches_straight_run(tmp_path, model_path):
+    common = ("run.checkpoint_every=1", "optim.lr=1e-3")
+    first = make_trainer(tmp_path, model_path, "run.iterations=2", *common, out="resume", reward=image_mean_reward)
+    first.train()
+    out = tmp_path / "resume"
+    assert sorted(p.name for p in (out / "checkpoints").glob("*.pt")) == ["iter000001.pt", "iter000002.pt"]
+
+    second = make_trainer(tmp_path, model_path, "run.iterations=3", *common, out="resume", reward=image_mean_reward)
+    assert second.iteration == 2
+    assert second.train()["iterations"] == 3
+    assert [r["iteration"] for r in read_metrics(out)] == [1, 2, 3]
+    # the two newest checkpoints are kept
+    assert sorted(p.name for p in (out / "checkpoints").glob("*.pt")) == ["iter000002.pt", "iter000003.pt"]
+
+    straight = make_trainer(tmp_path, model_path, "run.iterations=3", *common, out="straight", reward=image_mean_reward)
+    straight.train()
+    a, b = second.model.net.state_dict(), straight.model.net.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed run differs from the straight run"
+    ra, rb = read_metrics(out), read_metrics(tmp_path / "straight")
+    assert [r["reward_mean"] for r in ra] == [r["reward_mean"] for r in rb]
