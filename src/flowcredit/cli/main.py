@@ -58,7 +58,7 @@ def cmd_train(ns) -> int:
         cfg, name = resolve_train_config(ns.args)
         trainer = GRPOTrainer(cfg, preset_name=name)
         trainer.setup()
-    except (ConfigError, TrainingError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, TrainingError, ValueError, FileNotFoundError, NotImplementedError) as e:
         return _fail(str(e))
     print(f"run folder: {trainer.out}")
     result = trainer.train()

@@ -27,7 +27,7 @@ class ModelCfg:
     )
     lora_rank: int = _h(32, "LoRA rank r (ALGORITHMS.md A9: r32).")
     lora_alpha: float = _h(64.0, "LoRA alpha (A9: α64).")
-    lora_targets: list[str] = _h(
+    lora_targets: Optional[list[str]] = _h(
         None, "Module names LoRA wraps; null = the family default (SD3: flow_grpo's attention projections).", 
     )
     gradient_checkpointing: bool = _h(False, "Recompute activations in the backward pass to save memory (real models).")
@@ -59,6 +59,13 @@ class SamplerCfg:
             raise ValueError(f"sampler.num_steps must be >= 1, got {self.num_steps}")
         if not 0.0 < self.timestep_fraction <= 1.0:
             raise ValueError(f"sampler.timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
+        if int(self.num_steps * self.timestep_fraction) < 1:
+            raise ValueError(
+                f"int(sampler.num_steps·sampler.timestep_fraction) = int({self.num_steps}·{self.timestep_fraction}) = 0 trainable steps; "
+                "raise sampler.num_steps or sampler.timestep_fraction"
+            )
+        if self.name == "ode":
+            raise ValueError("sampler.name=ode has no exploration noise, so no step can be trained; use flow_sde, ddim_sde or cps")
 
 
 @dataclass
@@ -151,14 +158,14 @@ class RunCfg:
 @dataclass
 class TrainConfig:
     method: Literal["flow_grpo", "stepwise", "vgpo", "custom"] = _h("flow_grpo", "Method preset family (sets credit defaults); informational for custom.")
-    model: ModelCfg = field(default_factory=ModelCfg)
-    sampler: SamplerCfg = field(default_factory=SamplerCfg)
-    data: DataCfg = field(default_factory=DataCfg)
-    reward: RewardCfg = field(default_factory=RewardCfg)
-    credit: CreditCfg = field(default_factory=CreditCfg)
-    estimate: EstimateCfg = field(default_factory=EstimateCfg)
-    optim: OptimCfg = field(default_factory=OptimCfg)
-    run: RunCfg = field(default_factory=RunCfg)
+    model: ModelCfg = field(default_factory=ModelCfg, metadata={"help": "The policy model (tiny built-in, SD3, FLUX) and what is trained."})
+    sampler: SamplerCfg = field(default_factory=SamplerCfg, metadata={"help": "Rollout SDE, time grid and which steps are trained."})
+    data: DataCfg = field(default_factory=DataCfg, metadata={"help": "Training prompts and group layout."})
+    reward: RewardCfg = field(default_factory=RewardCfg, metadata={"help": "The reward (or weighted mix of rewards)."})
+    credit: CreditCfg = field(default_factory=CreditCfg, metadata={"help": "Credit assignment: the advantage estimator and its knobs."})
+    estimate: EstimateCfg = field(default_factory=EstimateCfg, metadata={"help": "Intermediate x̂0 estimates for step-level rewards (Stepwise, VGPO)."})
+    optim: OptimCfg = field(default_factory=OptimCfg, metadata={"help": "Optimizer, PPO clip, KL and update schedule."})
+    run: RunCfg = field(default_factory=RunCfg, metadata={"help": "Run folder, budget, logging, checkpoints and evaluation."})
 
     def __post_init__(self):
         # The method picks the credit estimator unless the user composes one by hand (method=custom).

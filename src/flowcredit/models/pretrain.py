@@ -69,6 +69,7 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     model_cfg = TinyDiTConfig(**cfg.model)
+    torch.manual_seed(cfg.seed)  # the initial weights come from cfg.seed, not from whatever the global RNG holds
     model = TinyFlowModel(model_cfg)
     model.compute_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     ema = copy.deepcopy(model.net).requires_grad_(False)
@@ -133,7 +134,7 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
         if bar is not None:
             bar.update(1)
         if step % cfg.log_every == 0:
-            rec = {"step": step, "loss": float(np.mean(losses)), "grad_norm": float(gn), "lr": lr_at(step), "elapsed_s": time.time() - t0}
+            rec = {"step": step, "loss": float(np.mean(losses)), "grad_norm": float(gn), "lr": lr_at(step - 1), "elapsed_s": time.time() - t0}
             log_f.write(json.dumps(rec) + "\n")
             log_f.flush()
             if bar is not None:

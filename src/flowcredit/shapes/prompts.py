@@ -104,7 +104,7 @@ class SplitSpec:
     heldout_color_pairs: int = 8  # (shape, colour) pairs never seen in train (of 40 at 32 px)
     heldout_position_triples: int = 10  # (A, relation, B) triples never seen in train (of 48 at 32 px)
     color_attr_test: int = 100  # unique color_attr test prompts
-    lines_per_tag: int = 80  # test_metadata.jsonl repeats prompts cyclically to this many lines per tag
+    lines_per_tag: int = 80  # test_metadata.jsonl repeats every test prompt ceil(80 / n_tag) times (≥ 80 lines per tag)
 
 
 def _pairs(rec: dict[str, Any]) -> set[tuple[str, str]]:
@@ -120,8 +120,8 @@ def make_splits(resolution: int = 32, spec: SplitSpec = SplitSpec()) -> dict[str
     """Generate the shapes benchmark prompt splits, deterministically from `spec.seed`.
 
     Returns:
-        dict with `train` (unique records), `test` (unique records), `test_lines` (test records repeated
-        cyclically to `lines_per_tag` per tag, flow_grpo's test_metadata.jsonl convention), and the held-out
+        dict with `train` (unique records), `test` (unique records), `test_lines` (every test record repeated
+        ceil(lines_per_tag / n_tag) times, flow_grpo's test_metadata.jsonl convention), and the held-out
         `heldout_color_pairs` / `heldout_position_triples`.
     """
     world = get_world(resolution)
@@ -157,7 +157,8 @@ def make_splits(resolution: int = 32, spec: SplitSpec = SplitSpec()) -> dict[str
     lines: list[dict[str, Any]] = []
     for tag in TAGS:
         recs = [r for r in test if r["tag"] == tag]
-        lines += [recs[i % len(recs)] for i in range(spec.lines_per_tag)]
+        reps = -(-spec.lines_per_tag // len(recs))  # every prompt of a tag equally often (flow_grpo repeats ×4)
+        lines += [r for _ in range(reps) for r in recs]
     return {
         "train": train,
         "test": test,

@@ -148,7 +148,8 @@ class GRPOTrainer:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "checkpoints").mkdir(exist_ok=True)
         (self.out / "grids").mkdir(exist_ok=True)
-        dump_yaml(cfg, self.out / "config.yaml")
+        # the resolved config; a resumed run keeps its original config.yaml and records the new one beside it
+        dump_yaml(cfg, self.out / ("config.yaml" if not (self.out / "config.yaml").exists() else "config.resumed.yaml"))
         ckpt = self.latest_checkpoint()
         if ckpt is not None:
             self.load_checkpoint(ckpt)
@@ -405,8 +406,8 @@ class GRPOTrainer:
                     out["_nfe"] += len(mb) * nfe * 2  # forward + backward ≈ counted as 2 NFE-equivalents
                     for k, val in st.items():
                         acc.setdefault(k, []).append(float(val) * len(mb))
-                    acc.setdefault("kl", []).append(float(kl.sum()))
-                    acc.setdefault("loss", []).append(float(loss.sum()))
+                    acc.setdefault("kl", []).append(float(kl.detach().sum()))
+                    acc.setdefault("loss", []).append(float(loss.detach().sum()))
                     acc.setdefault("parity", []).append(float((step.log_prob.detach() - rollout_lp).abs().max()))
                 gn = torch.nn.utils.clip_grad_norm_(self.trainable, oc.grad_clip)
                 if not torch.isfinite(gn):
