@@ -2,15 +2,28 @@
 
 Images are float tensors (B, 3, H, W) in [0, 1] (what `FlowModel.decode` returns). Rewards accept `**meta` so new
 metadata never breaks an old reward (TRL's convention, STYLE.md R2).
+
+Asynchronous scoring: `submit(reward, images, prompts, metadata)` (or `reward.submit(...)` on a `Reward` subclass)
+returns a `concurrent.futures.Future[RewardOutput]` computed on a worker thread, so the trainer can start the next
+rollout while the reward model (or a remote server) scores the last one. The inputs are copied to CPU before the
+call returns, so the caller may reuse its buffers. Torch ops release the GIL, and HTTP rewards wait on sockets, so
+the overlap is real even on CPU.
 """
 
 from __future__ import annotations
 
+import atexit
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 import torch
 from torch import Tensor
+
+
+class RewardError(RuntimeError):
+    """A reward could not score a batch (bad input, a model that failed, a server that gave up). Never swallowed."""
 
 
 @dataclass
@@ -41,3 +54,128 @@ class RewardFn(Protocol):
 def to_uint8_hwc(images: Tensor) -> Tensor:
     """(B, 3, H, W) float [0, 1] → (B, H, W, 3) uint8 (round to nearest), on CPU."""
     return (images.detach().float().clamp(0, 1) * 255.0).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+
+
+def check_inputs(name: str, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None) -> int:
+    """Validate a reward call's inputs; return B. Raises ValueError naming the reward and the problem."""
+    if not isinstance(images, Tensor) or images.ndim != 4 or images.shape[1] != 3:
+        shape = tuple(images.shape) if isinstance(images, Tensor) else type(images).__name__
+        raise ValueError(f"reward '{name}': images must be a (B, 3, H, W) float tensor in [0, 1], got {shape}")
+    if not images.is_floating_point():
+        raise ValueError(f"reward '{name}': images must be float in [0, 1], got dtype {images.dtype}")
+    b = images.shape[0]
+    if len(prompts) != b:
+        raise ValueError(f"reward '{name}': {b} images but {len(prompts)} prompts")
+    if metadata is not None and len(metadata) != b:
+        raise ValueError(f"reward '{name}': {b} images but {len(metadata)} metadata dicts")
+    return b
+
+
+def check_output(name: str, out: RewardOutput, batch: int) -> RewardOutput:
+    """Validate a reward's output (shape (B,), finite) so a broken reward fails loudly, not silently.
+
+    Scores and components are returned as float32 CPU tensors.
+    """
+    if not isinstance(out, RewardOutput):
+        raise RewardError(f"reward '{name}' returned {type(out).__name__}, expected RewardOutput")
+    s = torch.as_tensor(out.scores).detach().float().cpu().reshape(-1)
+    if s.numel() != batch:
+        raise RewardError(f"reward '{name}' returned {s.numel()} scores for a batch of {batch}")
+    bad = (~torch.isfinite(s)).nonzero().flatten().tolist()
+    if bad:
+        raise RewardError(f"reward '{name}' returned non-finite scores at indices {bad[:8]}: {s[bad[:8]].tolist()}")
+    comps = {}
+    for k, v in out.components.items():
+        v = torch.as_tensor(v).detach().float().cpu().reshape(-1)
+        if v.numel() != batch:
+            raise RewardError(f"reward '{name}' component '{k}' has {v.numel()} values for a batch of {batch}")
+        comps[k] = v
+    return RewardOutput(s, comps, out.info)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# asynchronous scoring
+# ----------------------------------------------------------------------------------------------------------------
+
+_EXECUTORS: dict[int, ThreadPoolExecutor] = {}
+_EXEC_LOCK = threading.Lock()
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    with _EXEC_LOCK:
+        ex = _EXECUTORS.get(workers)
+        if ex is None:
+            ex = _EXECUTORS[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"reward{workers}")
+        return ex
+
+
+@atexit.register
+def _shutdown_executors() -> None:
+    for ex in list(_EXECUTORS.values()):
+        ex.shutdown(wait=False, cancel_futures=True)
+
+
+def submit(
+    reward: RewardFn,
+    images: Tensor,
+    prompts: Sequence[str],
+    metadata: Sequence[dict[str, Any]],
+    executor: ThreadPoolExecutor | None = None,
+    **meta: Any,
+) -> "Future[RewardOutput]":
+    """Score a batch on a worker thread; returns a Future of the (validated) RewardOutput.
+
+    Works for any reward callable. `images` are detached and copied to CPU first. Calls on the default executor
+    run one at a time (a single worker), in submission order, so a reward never sees two batches at once unless
+    you pass your own `executor`. Exceptions surface at `future.result()`.
+    """
+    imgs = images.detach().to("cpu", copy=True)
+    p, m = list(prompts), [dict(x) for x in metadata]
+    name = getattr(reward, "name", type(reward).__name__)
+
+    def run() -> RewardOutput:
+        return check_output(name, reward(imgs, p, m, **meta), imgs.shape[0])
+
+    return (executor or _executor(1)).submit(run)
+
+
+class Reward:
+    """Optional base class for rewards: `submit` (async), `score_batched` (chunked), `close`.
+
+    Subclasses set `name` and implement `__call__(images, prompts, metadata, **meta) -> RewardOutput`.
+    """
+
+    name: str = "reward"
+
+    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any) -> RewardOutput:
+        raise NotImplementedError
+
+    def submit(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None, **meta: Any) -> "Future[RewardOutput]":
+        """Asynchronous `__call__` (see the module docstring)."""
+        metadata = metadata if metadata is not None else [{} for _ in prompts]
+        return submit(self, images, prompts, metadata, **meta)
+
+    def close(self) -> None:
+        """Release resources (models, sessions). Default: nothing."""
+
+
+def chunks(n: int, size: int) -> list[slice]:
+    """Slices covering range(n) in pieces of at most `size` (size <= 0: one piece)."""
+    if size <= 0 or n <= size:
+        return [slice(0, n)]
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def concat_outputs(outs: Sequence[RewardOutput]) -> RewardOutput:
+    """Concatenate per-chunk outputs; list-valued info of matching lengths is concatenated, the rest kept first."""
+    if len(outs) == 1:
+        return outs[0]
+    scores = torch.cat([o.scores.reshape(-1).float() for o in outs])
+    comps = {k: torch.cat([o.components[k].reshape(-1).float() for o in outs]) for k in outs[0].components}
+    info: dict[str, Any] = {}
+    for k, v in outs[0].info.items():
+        if isinstance(v, list) and all(isinstance(o.info.get(k), list) for o in outs):
+            info[k] = [x for o in outs for x in o.info[k]]
+        else:
+            info[k] = v
+    return RewardOutput(scores, comps, info)

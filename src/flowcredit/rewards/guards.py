@@ -1,0 +1,240 @@
+"""Reward-hacking guards the trainer can call (shared/docs/LANDSCAPE.md §3, item 3: users ask for held-out "gold"
+metrics, diversity monitors and early stopping).
+
+- `GoldMonitor`: a held-out "gold" reward (one the policy is not trained on, e.g. the shapes verifier while training on
+  a CLIP score, or ImageReward while training on OCR) evaluated on fixed prompts every `every` iterations, with a
+  history (`records`) that survives checkpoints (`state_dict` / `load_state_dict`).
+- `pairwise_distance` / `group_diversity`: mean pairwise L2 distance of the samples of each prompt group, on pixels
+  (RMS per element, so resolution-free) or on features you pass (e.g. CLIP embeddings). Collapsing diversity is the
+  usual sign of mode collapse ("identical faces", flow_grpo#233 grid artifacts).
+- `trend`: least-squares slope; `HackingAlarm`: fires when, over the last `window` gold evaluations, the fitted
+  training reward rose by more than `train_rise` while the fitted gold reward fell by more than `gold_drop` (and,
+  if diversity is fed, optionally when diversity fell by more than `diversity_drop`).
+
+All are plain Python / torch, no trainer dependency. Typical use:
+
+    gold = GoldMonitor.from_prompts(build_reward("shapes"), "shapes:test_unique", every=10, limit=32)
+    alarm = HackingAlarm(window=5)
+    ...
+    alarm.update_train(it, stats["reward_mean"])
+    alarm.update_diversity(it, float(group_diversity(images, group_ids).mean()))
+    if gold.due(it):
+        rec = gold.run(it, lambda prompts, meta: sample(model, prompts))   # images (N, 3, H, W) in [0, 1]
+        alarm.update_gold(it, rec.mean)
+        state = alarm.check()
+        if state.fired: log(state.message)                                  # or stop / roll back
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from .base import check_output
+
+
+# ------------------------------------------------------------------------------------------------ gold reward
+@dataclass
+class GoldRecord:
+    iteration: int
+    mean: float
+    std: float
+    scores: list[float]
+    components: dict[str, float] = field(default_factory=dict)
+
+
+class GoldMonitor:
+    """A held-out reward on fixed prompts, evaluated every `every` iterations.
+
+    Args:
+        reward: the gold reward (any reward callable).
+        prompts, metadata: the fixed prompts (and their metadata; default {}).
+        every: evaluate when iteration % every == 0 (0 = never due; `run`/`evaluate` still work).
+        name: label for logs (`<name>/mean`).
+    """
+
+    def __init__(self, reward: Any, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None,
+                 every: int = 10, name: str = "gold"):
+        if not prompts:
+            raise ValueError("GoldMonitor needs at least one prompt")
+        self.reward, self.prompts = reward, list(prompts)
+        self.metadata = [dict(m) for m in metadata] if metadata is not None else [{} for _ in self.prompts]
+        if len(self.metadata) != len(self.prompts):
+            raise ValueError(f"GoldMonitor: {len(self.prompts)} prompts but {len(self.metadata)} metadata")
+        self.every, self.name = int(every), name
+        self.records: list[GoldRecord] = []
+
+    @classmethod
+    def from_prompts(cls, reward: Any, spec: str, every: int = 10, limit: int | None = None, name: str = "gold") -> "GoldMonitor":
+        """Fixed prompts from a prompt spec (`shapes:test_unique`, a .txt or .jsonl file), first `limit` of them."""
+        from ..shapes.prompts import load_prompts
+
+        ps = load_prompts(spec)
+        n = len(ps.prompts) if limit is None else min(limit, len(ps.prompts))
+        return cls(reward, ps.prompts[:n], ps.metadata[:n], every=every, name=name)
+
+    def due(self, iteration: int) -> bool:
+        return self.every > 0 and iteration % self.every == 0
+
+    def evaluate(self, iteration: int, images: Tensor) -> GoldRecord:
+        """Score `images` generated for `self.prompts` (k samples per prompt: N = k·P, prompt-major or repeated in
+        order, i.e. image i belongs to prompt i % P) and append a record."""
+        n, p = images.shape[0], len(self.prompts)
+        if n % p:
+            raise ValueError(f"GoldMonitor: {n} images for {p} prompts (need a multiple)")
+        k = n // p
+        prompts, meta = self.prompts * k, self.metadata * k
+        out = check_output(self.name, self.reward(images, prompts, meta), n)
+        s = out.scores
+        rec = GoldRecord(int(iteration), float(s.mean()), float(s.std(unbiased=False)), s.tolist(),
+                         {c: float(v.mean()) for c, v in out.components.items()})
+        self.records.append(rec)
+        return rec
+
+    def run(self, iteration: int, sample_fn: Callable[[list[str], list[dict[str, Any]]], Tensor]) -> GoldRecord:
+        """Generate with `sample_fn(prompts, metadata) -> images (N, 3, H, W)` (fixed seed recommended) and evaluate."""
+        return self.evaluate(iteration, sample_fn(list(self.prompts), [dict(m) for m in self.metadata]))
+
+    def series(self) -> tuple[list[int], list[float]]:
+        return [r.iteration for r in self.records], [r.mean for r in self.records]
+
+    def stats(self) -> dict[str, float]:
+        """The latest record as flat log entries (`gold/mean`, `gold/std`, `gold/<component>`)."""
+        if not self.records:
+            return {}
+        r = self.records[-1]
+        return {f"{self.name}/mean": r.mean, f"{self.name}/std": r.std, **{f"{self.name}/{k}": v for k, v in r.components.items()}}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"records": [asdict(r) for r in self.records]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.records = [GoldRecord(**r) for r in state.get("records", [])]
+
+
+# ------------------------------------------------------------------------------------------------ diversity
+def pairwise_distance(x: Tensor, normalize: bool = True) -> Tensor:
+    """Mean L2 distance over all pairs i < j of the rows of x (N, ...) → scalar (0 for N < 2).
+
+    normalize=True divides by sqrt(D) (the RMS difference per element), so pixel distances do not grow with the
+    resolution; for images in [0, 1] it lies in [0, 1].
+    """
+    n = x.shape[0]
+    if n < 2:
+        return torch.zeros((), dtype=torch.float32)
+    f = x.detach().reshape(n, -1).double()
+    d = torch.cdist(f[None], f[None])[0]
+    iu = torch.triu_indices(n, n, offset=1)
+    m = d[iu[0], iu[1]].mean()
+    if normalize:
+        m = m / (f.shape[1] ** 0.5)
+    return m.float()
+
+
+def group_diversity(samples: Tensor, group_ids: Sequence[int] | Tensor, features: Callable[[Tensor], Tensor] | None = None,
+                    normalize: bool | None = None) -> Tensor:
+    """Within-group diversity: mean pairwise distance of the samples of each group → (G,), groups in sorted id order.
+
+    Args:
+        samples: (B, ...) images (or latents, or features).
+        group_ids: (B,) prompt-group id of each sample.
+        features: optional map samples → (B, D) features (e.g. `clip.image_embeds`) applied first.
+        normalize: divide by sqrt(D) (default: True on raw samples, False on features).
+    """
+    g = torch.as_tensor(group_ids).reshape(-1)
+    if g.numel() != samples.shape[0]:
+        raise ValueError(f"group_diversity: {samples.shape[0]} samples but {g.numel()} group ids")
+    x = features(samples) if features is not None else samples
+    norm = (features is None) if normalize is None else normalize
+    return torch.stack([pairwise_distance(x[g == gid], norm) for gid in torch.unique(g)])
+
+
+# ------------------------------------------------------------------------------------------------ alarm
+def trend(values: Sequence[float], xs: Sequence[float] | None = None) -> float:
+    """Least-squares slope of values against xs (default 0, 1, ...); 0 for fewer than 2 points."""
+    y = torch.as_tensor(list(values), dtype=torch.float64)
+    if y.numel() < 2:
+        return 0.0
+    x = torch.as_tensor(list(xs), dtype=torch.float64) if xs is not None else torch.arange(y.numel(), dtype=torch.float64)
+    xc = x - x.mean()
+    den = float((xc * xc).sum())
+    return float((xc * (y - y.mean())).sum() / den) if den > 0 else 0.0
+
+
+@dataclass
+class AlarmState:
+    fired: bool
+    train_change: float
+    gold_change: float
+    diversity_change: float | None
+    reasons: list[str]
+    message: str
+
+
+class HackingAlarm:
+    """Fires when the training reward trends up while the gold reward trends down (over the last `window` gold points).
+
+    Changes are fitted slopes × the window's iteration span, i.e. how much the linear fit rose or fell across the
+    window. The alarm fires when train_change > train_rise and gold_change < −gold_drop; with `diversity_drop` set and
+    diversity fed, also when diversity_change < −diversity_drop while train_change > train_rise.
+
+    Args:
+        window: gold points per check (>= 2); min_points: points needed before it can fire.
+        train_rise, gold_drop, diversity_drop: thresholds (in reward / distance units).
+    """
+
+    def __init__(self, window: int = 5, min_points: int = 3, train_rise: float = 0.0, gold_drop: float = 0.0,
+                 diversity_drop: float | None = None):
+        if window < 2 or min_points < 2:
+            raise ValueError("HackingAlarm: window and min_points must be >= 2")
+        self.window, self.min_points = int(window), int(min_points)
+        self.train_rise, self.gold_drop, self.diversity_drop = float(train_rise), float(gold_drop), diversity_drop
+        self.train: list[tuple[int, float]] = []
+        self.gold: list[tuple[int, float]] = []
+        self.diversity: list[tuple[int, float]] = []
+
+    def update_train(self, iteration: int, value: float) -> None:
+        self.train.append((int(iteration), float(value)))
+
+    def update_gold(self, iteration: int, value: float) -> None:
+        self.gold.append((int(iteration), float(value)))
+
+    def update_diversity(self, iteration: int, value: float) -> None:
+        self.diversity.append((int(iteration), float(value)))
+
+    @staticmethod
+    def _change(points: list[tuple[int, float]], lo: int, hi: int) -> tuple[float, int]:
+        pts = [(i, v) for i, v in points if lo <= i <= hi]
+        if len(pts) < 2:
+            return 0.0, len(pts)
+        xs, ys = zip(*pts)
+        return trend(ys, xs) * (hi - lo), len(pts)
+
+    def check(self) -> AlarmState:
+        gold = self.gold[-self.window:]
+        if len(gold) < self.min_points:
+            return AlarmState(False, 0.0, 0.0, None, [], f"waiting for {self.min_points} gold points ({len(gold)} so far)")
+        lo, hi = gold[0][0], gold[-1][0]
+        g, _ = self._change(gold, lo, hi)
+        t, nt = self._change(self.train, lo, hi)
+        d = self._change(self.diversity, lo, hi)[0] if self.diversity else None
+        reasons = []
+        rising = nt >= 2 and t > self.train_rise
+        if rising and g < -self.gold_drop:
+            reasons.append("gold_down")
+        if rising and d is not None and self.diversity_drop is not None and d < -self.diversity_drop:
+            reasons.append("diversity_down")
+        msg = (f"iterations {lo}-{hi}: train reward {t:+.4f}, gold {g:+.4f}" + (f", diversity {d:+.4f}" if d is not None else "")
+               + (f" -> possible reward hacking ({', '.join(reasons)})" if reasons else ""))
+        return AlarmState(bool(reasons), t, g, d, reasons, msg)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"train": list(self.train), "gold": list(self.gold), "diversity": list(self.diversity)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.train = [tuple(p) for p in state.get("train", [])]
+        self.gold = [tuple(p) for p in state.get("gold", [])]
+        self.diversity = [tuple(p) for p in state.get("diversity", [])]
