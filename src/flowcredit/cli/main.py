@@ -1,4 +1,4 @@
-"""`flowcredit` command line: train | eval | sample | prompts | render | pretrain.
+"""`flowcredit` command line: train | eval | sample | prompts | render | pretrain | compare.
 
     flowcredit train                                  # the embedded default: tiny model, shapes, Flow-GRPO, CPU
     flowcredit train tiny_stepwise run.iterations=50  # a preset + key=value overrides
@@ -194,6 +194,34 @@ def cmd_pretrain(ns) -> int:
     return 0
 
 
+def cmd_compare(ns) -> int:
+    from ..compare.report import write_report
+    from ..compare.study import execute, load_study, study_from_presets
+    from ..config import ConfigError
+
+    try:
+        if len(ns.study) == 1 and (ns.study[0].endswith((".yaml", ".yml")) or not ns.study[0].startswith("tiny_")):
+            study = load_study(ns.study[0])
+            if ns.seeds:
+                study.seeds = ns.seeds
+            if ns.iterations:
+                study.iterations = ns.iterations
+        else:
+            study = study_from_presets(ns.study, ns.seeds or [0, 1, 2], ns.iterations or 40, ns.eval_every, ns.override)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        return _fail(str(e))
+    out = Path(ns.out or f"results/{Path(ns.study[0]).stem}")
+    command = "flowcredit compare " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else ns.study)
+    if not ns.report_only:
+        results = execute(study, out, parallel=ns.parallel, threads=ns.threads)
+        failed = [r for r in results if r[1] != 0]
+        if failed:
+            print(f"{len(failed)} run(s) failed: {failed}; rerun the same command to resume", file=sys.stderr)
+    path = write_report(study, out, command)
+    print(f"report: {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="flowcredit", description="RL fine-tuning of flow-matching text-to-image models with step-level credit assignment.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -239,6 +267,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--n-samples", type=int, default=1)
     r.set_defaults(fn=cmd_render)
+
+    c = sub.add_parser("compare", help="run presets × seeds (or a study YAML) with a shared budget and write a report")
+    c.add_argument("study", nargs="+", help="a study YAML / name (flowcredit/studies) or several presets")
+    c.add_argument("--out", default=None, help="report folder (default results/<study>)")
+    c.add_argument("--seeds", type=int, nargs="*", default=None)
+    c.add_argument("--iterations", type=int, default=None)
+    c.add_argument("--eval-every", type=int, default=10)
+    c.add_argument("--override", action="append", default=[], help="key=value applied to every arm (repeatable)")
+    c.add_argument("--parallel", type=int, default=1, help="runs at a time")
+    c.add_argument("--threads", type=int, default=0, help="torch threads per run (0 = cores / parallel)")
+    c.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
+    c.set_defaults(fn=cmd_compare)
 
     from ..models.pretrain import PretrainConfig
 

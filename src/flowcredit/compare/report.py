@@ -1,0 +1,269 @@
+"""The study report: curves vs iteration and vs wall-clock seconds (mean and 95% band over seeds), time-to-target
+with ratios to the baseline, final held-out numbers, per-tag accuracy, the Stepwise paper's Fig. 1 / Fig. 2
+analogues, and a cost table. Everything lands in one folder: `report.md` + PNGs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .stats import final_mean_ci, mean_band, ratio, summarize_times, time_to_target
+from .study import Study, run_dir
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def load_run(d: Path) -> dict[str, Any]:
+    """Curves of one finished run: train reward and eval values vs iteration and cumulative seconds."""
+    m = read_jsonl(d / "metrics.jsonl")
+    ev = read_jsonl(d / "eval_curve.jsonl")
+    it = np.array([r["iteration"] for r in m], dtype=float)
+    sec = np.cumsum([r.get("seconds_total", 0.0) + 0.0 for r in m])
+    sec_at = dict(zip(it.tolist(), sec.tolist()))
+    final = json.loads((d / "eval.json").read_text()) if (d / "eval.json").exists() else None
+    first_eval = {"iteration": 0.0, "seconds": 0.0}
+    out = {
+        "iteration": it,
+        "seconds": sec,
+        "reward": np.array([r["reward_mean"] for r in m]),
+        "strict": np.array([r.get("strict_mean", np.nan) for r in m]),
+        "eval_iteration": np.array([first_eval["iteration"]] + [e["iteration"] for e in ev if e["iteration"] > 0], dtype=float),
+        "final": final,
+        "metrics": m,
+    }
+    base = final.get("base") if final else None
+    e_rew = [base["reward_mean"]] if base else [np.nan]
+    e_str = [base.get("strict_overall", np.nan)] if base else [np.nan]
+    for e in ev:
+        if e["iteration"] > 0:
+            e_rew.append(e["eval_reward"])
+            e_str.append(e["eval_strict"] if e["eval_strict"] is not None else np.nan)
+    out["eval_reward"] = np.array(e_rew, dtype=float)
+    out["eval_strict"] = np.array(e_str, dtype=float)
+    out["eval_seconds"] = np.array([0.0] + [sec_at.get(float(e["iteration"]), np.nan) for e in ev if e["iteration"] > 0])
+    if np.isnan(out["eval_reward"][0]):  # no baseline evaluation: curves start at the first periodic evaluation
+        for k in ("eval_reward", "eval_strict", "eval_seconds", "eval_iteration"):
+            out[k] = out[k][1:]
+    return out
+
+
+def _band_plot(ax, study_runs, key_x, key_y, label_y, grid_max):
+    for name, runs in study_runs.items():
+        curves = [(r[key_x], r[key_y]) for r in runs if len(r[key_x]) > 1 and np.all(np.isfinite(r[key_y]))]
+        if not curves:
+            continue
+        grid = np.linspace(0, grid_max, 200)
+        b = mean_band(curves, grid)
+        ax.plot(grid, b["mean"], label=f"{name} (n={len(curves)})")
+        ax.fill_between(grid, b["lo"], b["hi"], alpha=0.2)
+    ax.set_xlabel("iteration" if "iteration" in key_x else "wall-clock seconds (training)")
+    ax.set_ylabel(label_y)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def write_report(study: Study, out: Path, command: str, figure: bool = True) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for r in study.runs:
+        runs[r.name] = [load_run(run_dir(out, r, s)) for s in study.seeds if (run_dir(out, r, s) / "metrics.jsonl").exists()]
+    baseline = study.baseline or study.runs[0].name
+    lines = [f"# Study: {study.name}", "", study.description.strip(), "",
+             f"- command: `{command}`", f"- git commit: `{git_commit()}`",
+             f"- seeds: {study.seeds}; iterations per run: {study.iterations}; periodic eval every {study.eval_every} iterations on "
+             f"{study.eval_subset} tag-balanced held-out prompts (ODE, 40 steps, cfg 1.0, fixed noise); final eval on the full held-out split.",
+             f"- arms: " + "; ".join(f"**{r.name}** = `{r.preset} {' '.join(study.overrides + r.overrides)}`" for r in study.runs), ""]
+
+    # --- curves -----------------------------------------------------------------------------------------------
+    max_it = float(study.iterations)
+    max_sec = max((float(r["seconds"][-1]) for rs in runs.values() for r in rs if len(r["seconds"])), default=1.0)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    _band_plot(axes[0, 0], runs, "iteration", "reward", "train reward (batch mean)", max_it)
+    _band_plot(axes[0, 1], runs, "seconds", "reward", "train reward (batch mean)", max_sec)
+    _band_plot(axes[1, 0], runs, "eval_iteration", "eval_strict", "held-out strict accuracy (subset)", max_it)
+    _band_plot(axes[1, 1], runs, "eval_seconds", "eval_strict", "held-out strict accuracy (subset)", max_sec)
+    fig.suptitle(f"{study.name}: mean and 95% band over seeds")
+    fig.tight_layout()
+    fig.savefig(out / "curves.png", dpi=90)
+    plt.close(fig)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    _band_plot(axes[0], runs, "eval_iteration", "eval_reward", "held-out mean reward (subset)", max_it)
+    _band_plot(axes[1], runs, "eval_seconds", "eval_reward", "held-out mean reward (subset)", max_sec)
+    fig.tight_layout()
+    fig.savefig(out / "eval_reward.png", dpi=90)
+    plt.close(fig)
+    lines += ["## Curves", "", "![curves](curves.png)", "", "![eval reward](eval_reward.png)", ""]
+
+    # --- final numbers ------------------------------------------------------------------------------------------
+    lines += ["## Final held-out evaluation (full test split)", "",
+              "| arm | seeds | reward (mean ± 95% CI) | strict overall | Δ reward vs initial | Δ strict vs initial | train s (mean) |",
+              "|---|---|---|---|---|---|---|"]
+    for name, rs in runs.items():
+        fin = [r["final"] for r in rs if r["final"]]
+        if not fin:
+            lines.append(f"| {name} | 0 | – | – | – | – | – |")
+            continue
+        rw = final_mean_ci([f["trained"]["reward_mean"] for f in fin])
+        st = final_mean_ci([f["trained"].get("strict_overall", np.nan) for f in fin])
+        dr = final_mean_ci([f["delta"]["reward_mean"] for f in fin if "delta" in f])
+        ds = final_mean_ci([f["delta"].get("strict_overall", np.nan) for f in fin if "delta" in f])
+        secs = np.mean([r["seconds"][-1] for r in rs if len(r["seconds"])])
+        lines.append(f"| {name} | {len(fin)} | {rw[0]:.4f} ± {rw[1]:.4f} | {st[0]:.4f} ± {st[1]:.4f} | {dr[0]:+.4f} ± {dr[1]:.4f} | {ds[0]:+.4f} ± {ds[1]:.4f} | {secs:.0f} |")
+    lines.append("")
+
+    # --- time to target -----------------------------------------------------------------------------------------
+    lines += ["## Time to target (periodic held-out evaluation)", "",
+              "Mean over the seeds that reached the target (reached/seeds); ratio = arm ÷ baseline (< 1: faster).", "",
+              "| curve | target | arm | iterations | ratio | seconds | ratio |", "|---|---|---|---|---|---|---|"]
+    for key, targets in study.targets.items():
+        for tgt in targets:
+            base_t = None
+            rows = []
+            for name, rs in runs.items():
+                ti = summarize_times([time_to_target(r["eval_iteration"], r[key], tgt) for r in rs])
+                ts = summarize_times([time_to_target(r["eval_seconds"], r[key], tgt) for r in rs])
+                rows.append((name, ti, ts))
+                if name == baseline:
+                    base_t = (ti, ts)
+            for name, ti, ts in rows:
+                fmt = lambda s: "never" if s["mean"] is None else f"{s['mean']:.1f} ({s['reached']}/{s['seeds']})"  # noqa: E731
+                ri = ratio(ti["mean"], base_t[0]["mean"]) if base_t else None
+                rsec = ratio(ts["mean"], base_t[1]["mean"]) if base_t else None
+                lines.append(f"| {key} | {tgt} | {name} | {fmt(ti)} | {'–' if ri is None else f'{ri:.2f}'} | {fmt(ts)} | {'–' if rsec is None else f'{rsec:.2f}'} |")
+    lines.append("")
+
+    # --- per tag -----------------------------------------------------------------------------------------------
+    tags: list[str] = []
+    for rs in runs.values():
+        for r in rs:
+            if r["final"] and "strict_by_tag" in r["final"]["trained"]:
+                tags = list(r["final"]["trained"]["strict_by_tag"])
+                break
+    if tags:
+        lines += ["## Per-tag strict accuracy (final, mean over seeds)", "", "| arm | " + " | ".join(tags) + " |", "|---" * (len(tags) + 1) + "|"]
+        first = next((r["final"] for rs in runs.values() for r in rs if r["final"] and "base" in r["final"]), None)
+        if first:
+            lines.append("| initial model | " + " | ".join(f"{first['base']['strict_by_tag'][t]:.3f}" for t in tags) + " |")
+        for name, rs in runs.items():
+            fin = [r["final"]["trained"]["strict_by_tag"] for r in rs if r["final"]]
+            if fin:
+                lines.append(f"| {name} | " + " | ".join(f"{np.mean([f[t] for f in fin]):.3f}" for t in tags) + " |")
+        lines.append("")
+
+    # --- cost --------------------------------------------------------------------------------------------------
+    lines += ["## Cost per iteration (mean over iterations and seeds)", "", "| arm | seconds | NFE rollout | NFE estimates | NFE update | reward calls | phases (s) |", "|---|---|---|---|---|---|---|"]
+    for name, rs in runs.items():
+        ms = [x for r in rs for x in r["metrics"]]
+        if not ms:
+            continue
+        phases = sorted({k for x in ms for k in x.get("seconds", {})})
+        ph = ", ".join(f"{p} {np.mean([x['seconds'].get(p, 0.0) for x in ms]):.2f}" for p in phases)
+        g = lambda k: np.mean([x.get(k, 0) for x in ms])  # noqa: E731
+        lines.append(f"| {name} | {g('seconds_total'):.2f} | {g('nfe_rollout'):.0f} | {g('nfe_estimates'):.0f} | {g('nfe_update'):.0f} | {g('reward_calls'):.0f} | {ph} |")
+    lines.append("")
+
+    # --- Fig. 2 analogue: mean |gain| per step; non-monotone ρ ----------------------------------------------------
+    gain_runs = {n: [x["credit/gain_abs_mean_per_step"] for r in rs for x in r["metrics"] if "credit/gain_abs_mean_per_step" in x] for n, rs in runs.items()}
+    gain_runs = {n: g for n, g in gain_runs.items() if g}
+    if gain_runs:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for n, g in gain_runs.items():
+            arr = np.array(g)
+            ax.plot(np.arange(arr.shape[1]), arr.mean(0), marker="o", label=n)
+        ax.set_xlabel("step index j (t = 1 → 0)")
+        ax.set_ylabel("mean |gain| = |ρ_{j+1} − ρ_j|")
+        ax.set_title("Fig. 2 analogue: gain magnitude per step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "gain_per_step.png", dpi=90)
+        plt.close(fig)
+        lines += ["## Gain magnitude per step (Stepwise Fig. 2 analogue)", "", "![gains](gain_per_step.png)", ""]
+        for n, rs in runs.items():
+            nm = [x["credit/rho_nonmonotone_frac"] for r in rs for x in r["metrics"] if "credit/rho_nonmonotone_frac" in x]
+            if nm:
+                lines.append(f"- {n}: fraction of trajectories whose intermediate reward ρ_j is non-monotone in j: {np.mean(nm):.3f}")
+        lines.append("")
+    if figure and study.figure_run:
+        arm = next(r for r in study.runs if r.name == study.figure_run)
+        try:
+            reward_trajectory_figure(run_dir(out, arm, study.seeds[0]), out / "reward_trajectories.png")
+            lines += ["## Intermediate reward trajectories (Stepwise Fig. 1 analogue)", "",
+                      f"Two samples of one prompt (shared x_T) from the final `{arm.name}` checkpoint (seed {study.seeds[0]}): ρ_j of the "
+                      "x̂0 estimate of every state, with the estimates shown below the curve.", "", "![trajectories](reward_trajectories.png)", ""]
+        except Exception as e:  # the report must not die on an optional figure
+            lines += [f"(Fig. 1 analogue not drawn: {e})", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def reward_trajectory_figure(run: Path, png: Path, prompt_index: int = 0, group: int = 2, seed: int = 0) -> None:
+    """Draw ρ_j for `group` samples of one held-out prompt (shared x_T) and their x̂0 images (Fig. 1 analogue)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import torch
+
+    from ..cli.main import load_any_model
+    from ..config import load_config
+    from ..config.schema import TrainConfig
+    from ..rewards.shapes import ShapesReward
+    from ..samplers.estimates import trajectory_estimates
+    from ..samplers.rollout import make_initial_noise, rollout
+    from ..samplers.schedules import time_grid
+    from ..shapes.prompts import load_prompts
+    from ..trainer.grpo import sampler_params
+
+    cfg = load_config(TrainConfig, str(run / "config.yaml"))
+    model = load_any_model(str(run), "fp32")
+    ps = load_prompts("shapes:test_unique")
+    k = [i for i, m in enumerate(ps.metadata) if m["tag"] == "two_object"][prompt_index]
+    prompts, meta = [ps.prompts[k]] * group, [ps.metadata[k]] * group
+    gids = torch.zeros(group, dtype=torch.long)
+    gen = torch.Generator().manual_seed(seed)
+    grid = time_grid(cfg.sampler.num_steps, cfg.sampler.shift, cfg.sampler.grid)
+    init = make_initial_noise(group, tuple(model.latent_shape), gids, True, gen)
+    traj = rollout(model, prompts, meta, gids, timesteps=grid, sampler=sampler_params(cfg), guidance_scale=cfg.sampler.guidance_scale,
+                   generator=gen, init_noise=init, keep_velocities=True)
+    cond = model.encode_prompts(prompts)
+    est = trajectory_estimates(model, traj, cond, None, 1.0, cfg.estimate.substeps, 64, True)
+    T = traj.num_steps
+    imgs = model.decode(est.x0_hat.reshape(group * (T + 1), *est.x0_hat.shape[2:]))
+    rho = ShapesReward()(imgs, [prompts[0]] * len(imgs), [meta[0]] * len(imgs)).scores.view(group, T + 1)
+    u8 = (imgs.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy().reshape(group, T + 1, *imgs.shape[2:], 3)
+    fig = plt.figure(figsize=(1.1 * (T + 1), 2.5 + 1.1 * group))
+    ax = fig.add_axes([0.06, 1 - 2.2 / (2.5 + 1.1 * group), 0.92, 1.8 / (2.5 + 1.1 * group)])
+    for i in range(group):
+        ax.plot(range(T + 1), rho[i].numpy(), marker="o", label=f"sample {i}")
+    ax.set_xlabel("state j (t = 1 → 0)")
+    ax.set_ylabel("ρ_j")
+    ax.set_title(f"'{prompts[0]}'", fontsize=9)
+    ax.legend(fontsize=7)
+    for i in range(group):
+        for j in range(T + 1):
+            a = fig.add_axes([0.06 + 0.92 * j / (T + 1), (group - 1 - i) * 1.1 / (2.5 + 1.1 * group) + 0.01, 0.9 / (T + 1), 1.0 / (2.5 + 1.1 * group)])
+            a.imshow(u8[i, j], interpolation="nearest")
+            a.axis("off")
+    fig.savefig(png, dpi=90)
+    plt.close(fig)

@@ -1,0 +1,94 @@
+"""Statistics for comparing methods over seeds: mean curves with 95% bands, time-to-target, ratios.
+
+All functions are pure numpy and tested on synthetic curves (tests/compare/test_stats.py).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Sequence
+
+import numpy as np
+
+# two-sided 97.5% Student-t quantiles for n − 1 degrees of freedom (n seeds); larger n → 1.96
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def t_quantile(dof: int) -> float:
+    """Two-sided 95% Student-t quantile for `dof` degrees of freedom."""
+    if dof < 1:
+        return float("nan")
+    return _T975.get(dof, 1.96 if dof > 30 else 2.09)
+
+
+def interpolate(x: Sequence[float], y: Sequence[float], grid: np.ndarray) -> np.ndarray:
+    """y(x) linearly interpolated on `grid`; NaN outside the observed x range (no extrapolation)."""
+    x = np.asarray(x, dtype=float)
+    y = np.asarray(y, dtype=float)
+    out = np.interp(grid, x, y)
+    out[(grid < x.min()) | (grid > x.max())] = np.nan
+    return out
+
+
+def mean_band(curves: Sequence[tuple[Sequence[float], Sequence[float]]], grid: np.ndarray) -> dict[str, np.ndarray]:
+    """Mean and 95% confidence band (Student t over seeds) of several (x, y) curves on a common grid.
+
+    Returns:
+        {"grid", "mean", "lo", "hi", "n"}: arrays over the grid; n = seeds covering each grid point. Where only one
+        seed covers a point the band collapses to the mean (no spread estimate).
+    """
+    ys = np.stack([interpolate(x, y, grid) for x, y in curves])  # (S, len(grid))
+    n = np.sum(~np.isnan(ys), axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns and single-seed columns are handled below
+        mean = np.nanmean(np.where(n[None] > 0, ys, 0.0), axis=0) if ys.size else np.array([])
+        mean[n == 0] = np.nan
+        sd = np.nanstd(ys, axis=0, ddof=1) if ys.shape[0] > 1 else np.zeros(len(grid))
+        sd = np.where(n > 1, sd, 0.0)
+        half = np.array([t_quantile(int(k) - 1) if k > 1 else 0.0 for k in n]) * sd / np.sqrt(np.maximum(n, 1))
+    return {"grid": grid, "mean": mean, "lo": mean - half, "hi": mean + half, "n": n}
+
+
+def time_to_target(x: Sequence[float], y: Sequence[float], target: float) -> float | None:
+    """First x at which the curve reaches `target` (linear interpolation between the two bracketing points).
+
+    Returns None when the curve never reaches the target ("never reached").
+    """
+    x = np.asarray(x, dtype=float)
+    y = np.asarray(y, dtype=float)
+    hit = np.nonzero(y >= target)[0]
+    if hit.size == 0:
+        return None
+    k = int(hit[0])
+    if k == 0:
+        return float(x[0])
+    x0, x1, y0, y1 = x[k - 1], x[k], y[k - 1], y[k]
+    return float(x0 + (target - y0) * (x1 - x0) / (y1 - y0)) if y1 != y0 else float(x1)
+
+
+def summarize_times(times: Sequence[float | None]) -> dict[str, float | int | None]:
+    """Mean over seeds that reached the target, how many reached it, and how many seeds there were."""
+    reached = [t for t in times if t is not None]
+    return {
+        "mean": float(np.mean(reached)) if reached else None,
+        "reached": len(reached),
+        "seeds": len(times),
+    }
+
+
+def ratio(method: float | None, baseline: float | None) -> float | None:
+    """method / baseline time-to-target; None if either never reached the target (or the baseline is 0)."""
+    if method is None or baseline is None or baseline == 0:
+        return None
+    return method / baseline
+
+
+def final_mean_ci(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and 95% half-width (Student t) of per-seed final values."""
+    v = np.asarray(values, dtype=float)
+    if v.size == 0:
+        return float("nan"), float("nan")
+    if v.size == 1:
+        return float(v[0]), 0.0
+    return float(v.mean()), float(t_quantile(v.size - 1) * v.std(ddof=1) / math.sqrt(v.size))

@@ -1,0 +1,118 @@
+"""`flowcredit compare`: run methods × overrides × seeds with a shared iteration budget and shared evaluation
+prompts, resumably, then write one report folder.
+
+A study is a YAML file (see `flowcredit/studies/*.yaml`) or a list of presets on the command line:
+
+    flowcredit compare studies/credit.yaml --out docs/results/credit
+    flowcredit compare tiny_flow_grpo tiny_stepwise --seeds 0 1 2 --iterations 40 --out results/quick
+
+Every run is `flowcredit train <preset> <overrides> run.seed=<s> run.out_dir=<out>/runs/<name>/seed<s>` in a
+subprocess. A run whose `eval.json` exists is finished and skipped; an interrupted run resumes from its latest
+checkpoint (the trainer does that by itself), so a study interrupted mid-way resumes without redoing work.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+STUDY_DIR = Path(__file__).resolve().parent.parent / "studies"
+
+
+@dataclass
+class StudyRun:
+    name: str = field(default="run", metadata={"help": "Label of this arm in the report."})
+    preset: str = field(default="tiny_flow_grpo", metadata={"help": "Training preset (or YAML file) of this arm."})
+    overrides: list[str] = field(default_factory=list, metadata={"help": "key=value overrides of this arm."})
+
+
+@dataclass
+class Study:
+    name: str = field(default="study", metadata={"help": "Study name (report title)."})
+    runs: list[StudyRun] = field(default_factory=list, metadata={"help": "The arms: name, preset, overrides."})
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "Seeds run for every arm."})
+    iterations: int = field(default=40, metadata={"help": "Shared iteration budget of every run."})
+    eval_every: int = field(default=10, metadata={"help": "Periodic evaluation interval (iterations) on eval_subset prompts."})
+    eval_subset: int = field(default=96, metadata={"help": "Tag-balanced held-out prompts of the periodic evaluations."})
+    overrides: list[str] = field(default_factory=list, metadata={"help": "key=value overrides applied to every arm."})
+    baseline: Optional[str] = field(default=None, metadata={"help": "Arm the ratios refer to; null = the first arm."})
+    targets: dict[str, list[float]] = field(
+        default_factory=lambda: {"eval_strict": [], "eval_reward": []},
+        metadata={"help": "Target values per curve for the time-to-target table."},
+    )
+    description: str = field(default="", metadata={"help": "What the study tests (which claim of which paper) and its CPU budget."})
+    figure_run: Optional[str] = field(default=None, metadata={"help": "Arm whose final checkpoint draws the Fig. 1 analogue (a stepwise-type arm)."})
+
+    def __post_init__(self):
+        names = [r.name for r in self.runs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"study run names must be unique, got {names}")
+        if self.baseline is not None and self.baseline not in names:
+            raise ValueError(f"baseline '{self.baseline}' is not one of the runs {names}")
+
+
+def load_study(path_or_name: str) -> Study:
+    from ..config import load_config
+
+    p = Path(path_or_name)
+    if not p.exists() and (STUDY_DIR / f"{path_or_name}.yaml").exists():
+        p = STUDY_DIR / f"{path_or_name}.yaml"
+    return load_config(Study, str(p), preset_dirs=[STUDY_DIR])
+
+
+def study_from_presets(presets: list[str], seeds: list[int], iterations: int, eval_every: int, overrides: list[str]) -> Study:
+    return Study(
+        name="compare " + " vs ".join(presets),
+        runs=[StudyRun(name=Path(p).stem, preset=p) for p in presets],
+        seeds=seeds,
+        iterations=iterations,
+        eval_every=eval_every,
+        overrides=overrides,
+    )
+
+
+def run_dir(out: Path, run: StudyRun, seed: int) -> Path:
+    return out / "runs" / run.name / f"seed{seed}"
+
+
+def train_command(study: Study, run: StudyRun, seed: int, out: Path, threads: int) -> list[str]:
+    return [
+        sys.executable, "-m", "flowcredit.cli.main", "train", run.preset,
+        *study.overrides, *run.overrides,
+        f"run.seed={seed}", f"run.iterations={study.iterations}", f"run.eval_every={study.eval_every}",
+        f"run.eval_subset={study.eval_subset}", "run.max_minutes=0", f"run.threads={threads}",
+        f"run.out_dir={run_dir(out, run, seed)}",
+    ]
+
+
+def execute(study: Study, out: Path, parallel: int = 1, threads: int = 0, log=print) -> list[tuple[str, int]]:
+    """Run every (arm, seed) not finished yet; `parallel` subprocesses at a time. Returns (run, exit code) list."""
+    out.mkdir(parents=True, exist_ok=True)
+    threads = threads or max(1, (os.cpu_count() or 2) // max(1, parallel))
+    todo = [(r, s) for r in study.runs for s in study.seeds if not (run_dir(out, r, s) / "eval.json").exists()]
+    done = len(study.runs) * len(study.seeds) - len(todo)
+    log(f"study '{study.name}': {done} runs finished, {len(todo)} to run ({parallel} at a time)")
+    running: list[tuple[subprocess.Popen, str, Path]] = []
+    results: list[tuple[str, int]] = []
+    while todo or running:
+        while todo and len(running) < parallel:
+            r, s = todo.pop(0)
+            d = run_dir(out, r, s)
+            d.mkdir(parents=True, exist_ok=True)
+            cmd = train_command(study, r, s, out, threads)
+            f = open(d / "train.log", "a")
+            log(f"start {r.name} seed {s}")
+            running.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT), f"{r.name}/seed{s}", d))
+        time.sleep(1.0)
+        for item in list(running):
+            proc, label, d = item
+            if proc.poll() is not None:
+                running.remove(item)
+                results.append((label, proc.returncode))
+                log(f"finished {label} (exit {proc.returncode})" + ("" if proc.returncode == 0 else f"; see {d / 'train.log'}"))
+    return results
