@@ -90,7 +90,7 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
     lines = [f"# Study: {study.name}", "", study.description.strip(), "",
              f"- command: `{command}`", f"- git commit: `{git_commit()}`",
              f"- seeds: {study.seeds}; iterations per run: {study.iterations}; periodic eval every {study.eval_every} iterations on "
-             f"{study.eval_subset} tag-balanced held-out prompts (ODE, 40 steps, cfg 1.0, fixed noise); final eval on the full held-out split.",
+             f"{study.eval_subset} tag-balanced held-out prompts (ODE, run.eval_steps steps, run.eval_guidance, fixed noise; see each run's config.yaml); final eval on the full held-out split.",
              f"- arms: " + "; ".join(f"**{r.name}** = `{r.preset} {' '.join(study.overrides + r.overrides)}`" for r in study.runs), ""]
 
     # --- curves -----------------------------------------------------------------------------------------------
@@ -253,7 +253,7 @@ def reward_trajectory_figure(run: Path, png: Path, prompt_index: int = 0, group:
     rho = ShapesReward()(imgs, [prompts[0]] * len(imgs), [meta[0]] * len(imgs)).scores.view(group, T + 1)
     u8 = (imgs.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy().reshape(group, T + 1, *imgs.shape[2:], 3)
     fig = plt.figure(figsize=(1.1 * (T + 1), 2.5 + 1.1 * group))
-    ax = fig.add_axes([0.06, 1 - 2.2 / (2.5 + 1.1 * group), 0.92, 1.8 / (2.5 + 1.1 * group)])
+    ax = fig.add_axes([0.1, 1 - 2.1 / (2.5 + 1.1 * group), 0.88, 1.6 / (2.5 + 1.1 * group)])
     for i in range(group):
         ax.plot(range(T + 1), rho[i].numpy(), marker="o", label=f"sample {i}")
     ax.set_xlabel("state j (t = 1 → 0)")
