@@ -312,10 +312,18 @@ def load_prompts(spec: str) -> PromptSet:
     """Load prompts from a split name or a file.
 
     `spec` is `shapes:train`, `shapes:test` (the ≥400-line held-out test file), `shapes:test_unique`,
-    `shapes64:train` … or a path to a .jsonl/.txt file.
+    `shapes64:train` …, optionally restricted to tags (`shapes:train@single_object,colors`), or a path to a
+    .jsonl/.txt file.
     """
     if ":" in spec and not Path(spec).exists():
         world_name, split = spec.split(":", 1)
+        tags = None
+        if "@" in split:  # e.g. shapes:train@single_object,colors — only these tags
+            split, tag_list = split.split("@", 1)
+            tags = tag_list.split(",")
+            bad = [t for t in tags if t not in TAGS]
+            if bad:
+                raise PromptFileError(f"unknown tag '{bad[0]}' in prompt split '{spec}'; valid tags: {', '.join(TAGS)}")
         res = {"shapes": 32, "shapes32": 32, "shapes64": 64}.get(world_name)
         valid = ("train", "test", "test_unique")
         if res is None or split not in valid:
@@ -324,5 +332,7 @@ def load_prompts(spec: str) -> PromptSet:
             )
         splits = make_splits(res)
         recs = {"train": splits["train"], "test": splits["test_lines"], "test_unique": splits["test"]}[split]
+        if tags is not None:
+            recs = [r for r in recs if r["tag"] in tags]
         return PromptSet([r["prompt"] for r in recs], [dict(r) for r in recs], spec)
     return read_prompt_file(spec)
