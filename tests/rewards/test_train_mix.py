@@ -19,7 +19,7 @@ def test_train_with_mixed_reward(tmp_path, monkeypatch):
     try:
         rc = main([
             "train", f"model.path={model}", "model.precision=fp32", "reward.name=mix",
-            "reward.components=[{name: shapes, weight: 0.8}, {name: imagestats, weight: 0.2}]", "reward.normalize=true",
+            "reward.components=[{name: shapes, weight: 0.8}, {name: imagestats, weight: 0.2}]", "reward.normalize=batch",
             "data.prompts_per_iter=2", "data.group_size=2", "sampler.num_steps=2", "run.iterations=2", "run.threads=1",
             "run.eval_prompts=shapes:test_unique", "run.eval_steps=2", "run.grid_every=0", f"run.out_dir={tmp_path / 'run'}",
         ])

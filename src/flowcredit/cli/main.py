@@ -225,6 +225,7 @@ def cmd_compare(ns) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="flowcredit", description="RL fine-tuning of flow-matching text-to-image models with step-level credit assignment.")
     sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve-reward", help="serve a registered reward over HTTP (JSON, never pickle): serve-reward NAME --port 8765 [--token T]")
 
     t = sub.add_parser("train", help="train with a preset/YAML and key=value overrides (default: the embedded tiny Flow-GRPO job)")
     t.add_argument("args", nargs="*", help="[PRESET|file.yaml] key=value ...")
@@ -297,7 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args and args[0] == "serve-reward":  # its own parser: flowcredit serve-reward NAME --host --port --token ...
+        from ..rewards.server import main_serve
+
+        return main_serve(args[1:])
+    ns = build_parser().parse_args(args)
     return int(ns.fn(ns) or 0)
 
 

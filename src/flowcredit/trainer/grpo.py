@@ -18,6 +18,10 @@ Ratio parity: when the update is strictly on-policy (one pass, one optimizer ste
 so we use logp_old = logp.detach() and the ratio is exactly 1 (its gradient is ∇logp). The rollout's recorded
 log-probs are compared with the recomputed ones every iteration (`parity_max_abs_dlogp`): in fp32 they agree to
 ~1e-7; in bf16 the difference is numeric noise that must not be mistaken for off-policyness.
+
+Scale and faults (docs/SCALING.md): on N processes each rank runs its slice of the global batch and the credit sees
+the gathered batch (`distributed.py`); checkpoints are atomic and verified (`checkpoint.py`); NaN/Inf updates are
+skipped, failing rewards retried, SIGTERM checkpoints and exits (`faults.py`). Only rank 0 writes.
 """
 
 from __future__ import annotations
@@ -42,10 +46,13 @@ from ..credit.base import CreditInput
 from ..credit.registry import assign_credit, needs_instant_rewards, needs_step_rewards
 from ..samplers.estimates import denoise_estimate, trajectory_estimates
 from ..samplers.policy import nfe_per_sample, policy_velocity
-from ..samplers.rollout import make_initial_noise, rollout
+from ..samplers.rollout import rollout
 from ..samplers.schedules import time_grid
 from ..samplers.sde import SamplerParams, gaussian_kl_same_std, sampler_step
 from ..types import Trajectory, cond_index, cond_repeat
+from . import checkpoint
+from .distributed import Dist, ReferenceOffload, Shard, build_optimizer, enable_gradient_checkpointing, layout_noise, plan_update
+from .faults import NonFiniteGuard, RetryingCall, StopSignal, first_nonfinite, inject_point
 from .objectives import clipped_surrogate
 
 
@@ -58,12 +65,14 @@ class PhaseTimer:
     """Wall-clock seconds per phase of one iteration."""
 
     seconds: dict[str, float] = field(default_factory=dict)
+    iteration: int = 0  # the iteration in progress (1-based), for the test-only fault-injection points
 
     def __call__(self, name: str):
         timer = self
 
         class _Ctx:
             def __enter__(self):
+                inject_point(name, timer.iteration)
                 self.t0 = time.perf_counter()
 
             def __exit__(self, *exc):
@@ -117,8 +126,13 @@ class GRPOTrainer:
 
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        self.device = torch.device(cfg.run.device)
-        self.model = build_model(cfg.model, cfg.run.device)
+        self.dist = Dist.create(cfg.dist.enabled, cfg.run.device)  # accelerate when launched on N processes
+        try:
+            self.shard = Shard.create(cfg.data.prompts_per_iter, cfg.data.group_size, self.dist.rank, self.dist.world_size, cfg.dist.split_groups)
+        except ValueError as e:
+            raise TrainingError(str(e)) from None
+        self.device = torch.device(self.dist.device)
+        self.model = build_model(cfg.model, str(self.device))
         self.trainable = set_trainable(self.model, cfg.model.trainable)
         self.trainable_names = [n for n, p in self.model.net.named_parameters() if p.requires_grad]
         self.model.train()
@@ -127,11 +141,15 @@ class GRPOTrainer:
         self.ref_model = None
         if cfg.optim.kl_beta > 0 and not hasattr(self.model, "reference"):
             self.ref_model = copy.deepcopy(self.model).requires_grad_(False).eval()
+        self.ref_offload = ReferenceOffload(self.ref_model, self.device, cfg.optim.offload_reference)
+        if cfg.model.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
         self.initial_state = None
         if cfg.run.eval_baseline and cfg.run.eval_at_end:
             self.initial_state = {k: v.detach().clone() for k, v in self.model.net.state_dict().items()}
-        self.opt = torch.optim.AdamW(
-            self.trainable, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay, eps=cfg.optim.eps
+        self.opt = build_optimizer(
+            self.trainable, cfg.optim.offload_optimizer, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
+            eps=cfg.optim.eps,
         )
         self.ema = [p.detach().clone() for p in self.trainable] if cfg.optim.ema_decay > 0 else None
         self.prompt_sampler = PromptSampler(self.train_prompts, cfg.run.seed, cfg.data.balance_tags)
@@ -140,37 +158,43 @@ class GRPOTrainer:
         self.params = sampler_params(cfg)
         self.credit_state: dict[str, torch.Tensor] = {}
         self.iteration = 0
+        self.guard = NonFiniteGuard(cfg.faults.max_nonfinite, self.dist.is_main)
+        self.call_reward = RetryingCall(cfg.faults.reward_retries, cfg.faults.reward_backoff, cfg.faults.reward_timeout)
         self.uncond1 = self.model.encode_prompts([""]) if cfg.sampler.guidance_scale != 1.0 else None
 
         # --- the run folder ---------------------------------------------------------------------------------
         out = cfg.run.out_dir or f"runs/{self.preset_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        self.out = Path(out)
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "checkpoints").mkdir(exist_ok=True)
-        (self.out / "grids").mkdir(exist_ok=True)
-        # the resolved config; a resumed run keeps its original config.yaml and records the new one beside it
-        dump_yaml(cfg, self.out / ("config.yaml" if not (self.out / "config.yaml").exists() else "config.resumed.yaml"))
+        self.out = Path(self.dist.broadcast_object(out))  # rank 0 writes; every rank reads the checkpoint
+        if self.dist.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "checkpoints").mkdir(exist_ok=True)
+            (self.out / "grids").mkdir(exist_ok=True)
+            # the resolved config; a resumed run keeps its original config.yaml and records the new one beside it
+            dump_yaml(cfg, self.out / ("config.yaml" if not (self.out / "config.yaml").exists() else "config.resumed.yaml"))
+        self.dist.barrier()
         ckpt = self.latest_checkpoint()
         if ckpt is not None:
             self.load_checkpoint(ckpt)
-        self.metrics_f = open(self.out / "metrics.jsonl", "a")
-        self.tb = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+        self.metrics_f = self.tb = None
+        if self.dist.is_main:
+            for log_file in ("metrics.jsonl", "eval_curve.jsonl"):  # a resumed run redoes the later iterations
+                checkpoint.truncate_jsonl(self.out / log_file, self.iteration)
+            self.metrics_f = open(self.out / "metrics.jsonl", "a")
+            try:
+                from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(self.out / "tb"))
-        except Exception:  # tensorboard missing: metrics.jsonl is the record of truth
-            self.tb = None
+                self.tb = SummaryWriter(str(self.out / "tb"))
+            except Exception:  # tensorboard missing: metrics.jsonl is the record of truth
+                self.tb = None
 
     def _build_reward(self, build_reward):
         rc = self.cfg.reward
         if rc.name != "mix":
-            return build_reward(rc.name)
+            return build_reward(rc.name, **rc.options)
         if not rc.components:
             raise ValueError("reward.name=mix needs reward.components, e.g. [{name: shapes, weight: 1.0}]")
-        from ..rewards.mix import MixedReward
-
-        return MixedReward([(build_reward(c.name), c.weight) for c in rc.components], normalize=rc.normalize)
+        comps = [{"name": c.name, "weight": c.weight, "options": c.options, "label": c.label} for c in rc.components]
+        return build_reward("mix", components=comps, normalize=rc.normalize)
 
     # -------------------------------------------------------------------------------------------------- loop
     def train(self) -> dict[str, Any]:
@@ -238,7 +262,7 @@ class GRPOTrainer:
         # ---------------------------------------------------------------- REWARD
         with timer("reward"):
             images = model.decode(traj.latents[:, -1])
-            ro = self.reward_fn(images, prompts, meta)
+            ro = self.reward_fn(images, prompts, meta, group_ids=gids)
             traj.rewards = ro.scores.float()
         stats["reward_calls"] = B
         stats["reward_mean"] = float(traj.rewards.mean())
