@@ -8,7 +8,7 @@ Cross-field checks are in `__post_init__` and state the arithmetic.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from ..credit.base import CreditCfg
 
@@ -94,13 +94,18 @@ class DataCfg:
 class RewardComponent:
     name: str = _h("shapes", "Registered reward name or 'module:Class'.")
     weight: float = _h(1.0, "Weight in the mix.")
+    options: dict[str, Any] = field(default_factory=dict, metadata={"help": "Constructor options of this reward (e.g. a local model path)."})
+    label: Optional[str] = _h(None, "Name of this component in the logs; null = the reward name.")
 
 
 @dataclass
 class RewardCfg:
     name: str = _h("shapes", "Registered reward (`flowcredit.rewards.registry`), or 'mix' to use `components`.")
+    options: dict[str, Any] = field(default_factory=dict, metadata={"help": "Constructor options of the reward (e.g. {model: /path/to/local/pickscore})."})
     components: list[RewardComponent] = _h(None, "For name=mix: weighted rewards, e.g. [{name: shapes, weight: 0.8}, ...].")
-    normalize: bool = _h(False, "For mixes: z-normalize each component over the batch before the weighted sum (GDPO-style).")
+    normalize: Literal["none", "batch", "group", "running"] = _h(
+        "none", "For mixes: z-normalize each component before the weighted sum (GDPO-style): over the batch, per prompt group, or with running statistics."
+    )
 
     def __post_init__(self):
         if self.components is None:
@@ -127,6 +132,12 @@ class OptimCfg:
     updates_per_epoch: int = _h(1, "Optimizer steps per pass (the batch is split into this many gradient-accumulation chunks).")
     micro_batch: int = _h(64, "(sample, step) pairs per forward/backward; only changes memory, not the gradient.")
     ema_decay: float = _h(0.0, "EMA of trainable weights (0 = off); evaluation uses the EMA weights when on.")
+    offload_optimizer: bool = _h(
+        False, "Keep AdamW's fp32 master weights and moments in CPU memory and step there (saves 12 bytes/trainable param on the accelerator; docs/SCALING.md)."
+    )
+    offload_reference: bool = _h(
+        False, "Keep the frozen KL reference copy (kl_beta > 0, non-LoRA) in CPU memory outside the update phase (docs/SCALING.md)."
+    )
 
     def __post_init__(self):
         if self.betas is None:
@@ -156,6 +167,31 @@ class RunCfg:
 
 
 @dataclass
+class DistCfg:
+    enabled: Optional[bool] = _h(
+        None, "Multi-process training through accelerate; null = on when launched with WORLD_SIZE > 1 (torchrun / accelerate launch)."
+    )
+    split_groups: bool = _h(
+        False, "Allow a prompt group to span two processes when data.prompts_per_iter is not a multiple of the process count (statistics are global either way)."
+    )
+
+
+@dataclass
+class FaultsCfg:
+    max_nonfinite: int = _h(
+        3, "Stop (error, exit non-zero, last checkpoint intact) after this many CONSECUTIVE updates skipped for NaN/Inf rewards, advantages, loss or grads; 0 = never."
+    )
+    reward_retries: int = _h(2, "Retries of a reward call that raises or times out, before the run stops with an error.")
+    reward_backoff: float = _h(2.0, "Seconds before the first reward retry; doubled after each further failure.")
+    reward_timeout: float = _h(0.0, "Seconds one reward call may take before it counts as failed (0 = no limit).")
+    handle_signals: bool = _h(True, "On SIGTERM/SIGINT: finish the iteration, write a checkpoint and exit 0.")
+
+    def __post_init__(self):
+        if self.max_nonfinite < 0 or self.reward_retries < 0 or self.reward_backoff < 0 or self.reward_timeout < 0:
+            raise ValueError("faults.max_nonfinite, reward_retries, reward_backoff and reward_timeout must be >= 0")
+
+
+@dataclass
 class TrainConfig:
     method: Literal["flow_grpo", "stepwise", "vgpo", "custom"] = _h("flow_grpo", "Method preset family (sets credit defaults); informational for custom.")
     model: ModelCfg = field(default_factory=ModelCfg, metadata={"help": "The policy model (tiny built-in, SD3, FLUX) and what is trained."})
@@ -166,6 +202,8 @@ class TrainConfig:
     estimate: EstimateCfg = field(default_factory=EstimateCfg, metadata={"help": "Intermediate x̂0 estimates for step-level rewards (Stepwise, VGPO)."})
     optim: OptimCfg = field(default_factory=OptimCfg, metadata={"help": "Optimizer, PPO clip, KL and update schedule."})
     run: RunCfg = field(default_factory=RunCfg, metadata={"help": "Run folder, budget, logging, checkpoints and evaluation."})
+    dist: DistCfg = field(default_factory=DistCfg, metadata={"help": "Many processes through accelerate (docs/SCALING.md)."})
+    faults: FaultsCfg = field(default_factory=FaultsCfg, metadata={"help": "What the run survives: NaN/Inf, failing rewards, signals."})
 
     def __post_init__(self):
         # The method picks the credit estimator unless the user composes one by hand (method=custom).
