@@ -10,8 +10,8 @@ from ..config.schema import ModelCfg
 def build_model(cfg: ModelCfg, device: str = "cpu"):
     """Return a FlowModel for `cfg` on `device`.
 
-    Only the tiny built-in model is wired in this version; the diffusers adapters (SD3/FLUX, issue F) are not
-    implemented yet and say so.
+    tiny: the built-in model. sd3 / flux: the diffusers adapters (LoRA added at build time when
+    cfg.trainable == "lora"; see models/diffusers_common.py).
     """
     if cfg.name == "tiny":
         from .tiny import TinyFlowModel
@@ -19,16 +19,38 @@ def build_model(cfg: ModelCfg, device: str = "cpu"):
         model = TinyFlowModel.load(cfg.path).to(device)
         model.compute_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
         return model
-    raise NotImplementedError(
-        f"model.name={cfg.name!r}: the diffusers adapters (SD3/FLUX) are not implemented in this version; use model.name=tiny"
-    )
+    if cfg.name in ("sd3", "flux"):
+        # The diffusers adapters (models/sd3.py, models/flux.py). Options ModelCfg may not have yet are read with
+        # getattr so a config object that carries them (or a future schema field) sets them:
+        #   resolution (px; default: the transformer's native size), max_sequence_length (T5 tokens; default: the
+        #   pipeline's), embedded_guidance (FLUX.1-dev distilled guidance; default 3.5).
+        if not cfg.path:
+            raise ValueError(f"model.name={cfg.name} needs model.path: a local diffusers folder (or a hub id)")
+        kw = {k: getattr(cfg, k) for k in ("resolution", "max_sequence_length") if getattr(cfg, k, None) is not None}
+        if cfg.name == "sd3":
+            from .sd3 import SD3FlowModel
+
+            model = SD3FlowModel.from_pretrained(cfg.path, cfg, **kw)
+        else:
+            from .flux import FluxFlowModel
+
+            if getattr(cfg, "embedded_guidance", None) is not None:
+                kw["embedded_guidance"] = cfg.embedded_guidance
+            model = FluxFlowModel.from_pretrained(cfg.path, cfg, **kw)
+        return model.to(device)
+    raise ValueError(f"model.name={cfg.name!r}; valid: tiny, sd3, flux")
 
 
 def set_trainable(model, trainable: str) -> list[torch.nn.Parameter]:
     """Choose what RL trains on the tiny model: 'all' weights or 'blocks' (transformer blocks + output head).
 
+    Diffusers adapters (SD3/FLUX) choose themselves ('lora', 'all' or 'blocks'; text encoders and VAE stay frozen).
+
     Returns the trainable parameters.
     """
+    configure = getattr(model, "configure_trainable", None)
+    if configure is not None:
+        return configure(trainable)
     net = model.net
     if trainable == "all":
         net.requires_grad_(True)
@@ -37,7 +59,9 @@ def set_trainable(model, trainable: str) -> list[torch.nn.Parameter]:
         for mod in (net.blocks, net.ada_out, net.patch_out):
             mod.requires_grad_(True)
     elif trainable == "lora":
-        raise NotImplementedError("model.trainable=lora is not implemented for the tiny model yet; use all or blocks")
+        raise NotImplementedError(
+            "model.trainable=lora is not implemented for the tiny model (it is for sd3 and flux); use all or blocks"
+        )
     else:
         raise ValueError(f"model.trainable={trainable!r}; valid: all, blocks, lora")
     return [p for p in net.parameters() if p.requires_grad]
