@@ -5,6 +5,7 @@
     flowcredit train method=vgpo                      # method=X alone picks the preset tiny_X
     flowcredit train my.yaml optim.lr=1e-5            # a YAML file (may say `base: tiny_flow_grpo`)
     flowcredit train --help-config                    # every key, its type, default and help
+    flowcredit train resume=runs/x [key=value ...]    # continue a run from its newest valid checkpoint
     flowcredit eval --checkpoint runs/x --cfg 4.5     # GenEval layout + results.jsonl + summary.json + grid.png
 
 Bad input prints one line `error: ...` naming the field, where it came from and the fix, and exits with 2.
@@ -35,6 +36,16 @@ def resolve_train_config(args: list[str]):
     overrides = [a for a in args if "=" in a]
     if len(presets) > 1:
         raise ValueError(f"give at most one preset or YAML file, got {presets}; everything else must be key=value")
+    resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
+    if resume:  # resume=RUN_DIR: the run's own config.yaml, its folder, then any further overrides
+        run_dir = Path(resume[-1])
+        if presets:
+            raise ValueError(f"resume={run_dir} uses that run's config.yaml; drop {presets[0]}")
+        if not (run_dir / "config.yaml").is_file():
+            raise FileNotFoundError(f"resume={run_dir}: no config.yaml there; give a run folder written by `flowcredit train`")
+        overrides = [o for o in overrides if not o.startswith("resume=")] + [f"run.out_dir={run_dir}"]
+        cfg = load_config(TrainConfig, str(run_dir / "config.yaml"), overrides, preset_dirs=[PRESET_DIR])
+        return cfg, run_dir.name
     if presets:
         preset = presets[0]
     else:
@@ -49,6 +60,7 @@ def resolve_train_config(args: list[str]):
 def cmd_train(ns) -> int:
     from ..config import ConfigError, describe
     from ..config.schema import TrainConfig
+    from ..trainer.faults import RunStopped
     from ..trainer.grpo import GRPOTrainer, TrainingError
 
     if ns.help_config:
@@ -60,8 +72,21 @@ def cmd_train(ns) -> int:
         trainer.setup()
     except (ConfigError, TrainingError, ValueError, FileNotFoundError, NotImplementedError) as e:
         return _fail(str(e))
-    print(f"run folder: {trainer.out}")
-    result = trainer.train()
+    main_rank = trainer.dist.is_main
+    if main_rank:
+        print(f"run folder: {trainer.out}")
+    try:
+        result = trainer.train()
+    except RunStopped as e:  # a fault the run cannot survive; the last checkpoint is intact
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    if result.get("stopped"):
+        if main_rank:
+            print(f"stopped by {result['stopped']} after iteration {result['iterations']}; checkpoint written. "
+                  f"Continue with: flowcredit train resume={trainer.out}")
+        return 0
+    if not main_rank:
+        return 0
     ev = result.get("eval")
     if ev:
         t = ev["trained"]

@@ -77,6 +77,7 @@ def rollout(
     train_fraction: float = 1.0,
     cond: Cond | None = None,
     uncond: Cond | None = None,
+    step_noise: Tensor | None = None,
 ) -> Trajectory:
     """Sample B trajectories and record states, log-probs, velocities and the trainable-step mask.
 
@@ -97,6 +98,8 @@ def rollout(
         train_fraction: fraction of the leading steps that may be trained, in [0, 1].
         cond: optional precomputed Cond with batch B (else ``model.encode_prompts(prompts)``).
         uncond: optional precomputed unconditional Cond with batch B or 1 (else ``encode_prompts([""])`` when CFG).
+        step_noise: (B, T, *latent) optional standard-normal noise of every step (then ``generator`` draws none);
+            the trainer passes per-group noise so a sample's path does not depend on the process layout.
 
     Returns:
         Trajectory with latents (B, T+1, *latent), log_probs (B, T), step_mask (T,), velocities (B, T, *latent) or
@@ -131,7 +134,8 @@ def rollout(
     for step in range(num_steps):
         t, t_next = timesteps[step].expand(batch), timesteps[step + 1].expand(batch)
         v = policy_velocity(model, x, t, cond, uncond, guidance_scale)
-        out = sampler_step(sampler, x, v, t, t_next, generator=generator)
+        noise = None if step_noise is None else step_noise[:, step].to(device)
+        out = sampler_step(sampler, x, v, t, t_next, generator=None if noise is not None else generator, noise=noise)
         x = out.x_next
         latents.append(x)
         log_probs.append(out.log_prob)

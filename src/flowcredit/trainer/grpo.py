@@ -31,7 +31,6 @@ import copy
 import dataclasses
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +50,7 @@ from ..samplers.schedules import time_grid
 from ..samplers.sde import SamplerParams, gaussian_kl_same_std, sampler_step
 from ..types import Trajectory, cond_index, cond_repeat
 from . import checkpoint
+from .checkpoint import rng_states, set_rng_states
 from .distributed import Dist, ReferenceOffload, Shard, build_optimizer, enable_gradient_checkpointing, layout_noise, plan_update
 from .faults import NonFiniteGuard, RetryingCall, StopSignal, first_nonfinite, inject_point
 from .objectives import clipped_surrogate
@@ -204,43 +204,56 @@ class GRPOTrainer:
         try:
             from tqdm import tqdm
 
-            bar = tqdm(total=cfg.run.iterations, initial=self.iteration, desc=f"train[{cfg.method}]", dynamic_ncols=True)
+            bar = tqdm(total=cfg.run.iterations, initial=self.iteration, desc=f"train[{cfg.method}]", dynamic_ncols=True,
+                       disable=not self.dist.is_main)
         except ImportError:
             pass
-        while self.iteration < cfg.run.iterations:
-            if cfg.run.max_minutes and (time.time() - t_start) > 60 * cfg.run.max_minutes:
-                break
-            stats = self.train_step()
-            self.iteration += 1
-            if self.iteration % cfg.run.log_every == 0:
-                self.log(stats)
-            if cfg.run.grid_every and self.iteration % cfg.run.grid_every == 0:
-                self.save_grid(stats.pop("_images"), stats.pop("_prompts"))
-            if cfg.run.eval_every and self.iteration % cfg.run.eval_every == 0:
-                self.periodic_eval()
-            if self.iteration % cfg.run.checkpoint_every == 0 or self.iteration == cfg.run.iterations:
-                self.save_checkpoint()
+        signals, stopped = StopSignal(cfg.faults.handle_signals), None  # SIGTERM/SIGINT: stop after the iteration
+        with signals:
+            while self.iteration < cfg.run.iterations:
+                if self.dist.any(bool(cfg.run.max_minutes) and (time.time() - t_start) > 60 * cfg.run.max_minutes):
+                    break
+                stats = self.train_step()
+                self.iteration += 1
+                if self.iteration % cfg.run.log_every == 0:
+                    self.log(stats)
+                if cfg.run.grid_every and self.iteration % cfg.run.grid_every == 0:
+                    self.save_grid(stats.pop("_images"), stats.pop("_prompts"))
+                if cfg.run.eval_every and self.iteration % cfg.run.eval_every == 0:
+                    self.periodic_eval()
+                if self.iteration % cfg.run.checkpoint_every == 0 or self.iteration == cfg.run.iterations:
+                    self.save_checkpoint()
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", strict=f"{stats.get('strict_mean', float('nan')):.2f}")
+                if self.dist.any(signals.requested is not None):  # every rank stops at the same iteration
+                    stopped = signals.requested or "signal"
+                    break
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", strict=f"{stats.get('strict_mean', float('nan')):.2f}")
-        if bar is not None:
-            bar.close()
-        self.save_checkpoint()
+                bar.close()
+            self.save_checkpoint()
         result: dict[str, Any] = {"iterations": self.iteration, "train_seconds": time.time() - t_start}
-        if cfg.run.eval_at_end:
+        if stopped:
+            result["stopped"] = stopped
+        elif cfg.run.eval_at_end and self.dist.is_main:
             result["eval"] = self.final_eval()
-        self.metrics_f.close()
+        if self.metrics_f is not None:
+            self.metrics_f.close()
         if self.tb is not None:
             self.tb.close()
+        self.dist.close()
         return result
 
     def train_step(self) -> dict[str, Any]:
-        """One iteration: rollout → rewards → (intermediate rewards) → credit → update."""
+        """One iteration: rollout → rewards → (intermediate rewards) → credit → update.
+
+        On N processes this rank rolls out and scores its B/N rows of the global batch; the rewards are gathered so
+        the credit (and every statistic) sees the global batch, and the rank keeps its rows' advantages.
+        """
         cfg, model = self.cfg, self.model
-        timer = PhaseTimer()
+        timer = PhaseTimer(iteration=self.iteration + 1)
         stats: dict[str, Any] = {}
-        P, G = cfg.data.prompts_per_iter, cfg.data.group_size
-        prompts, meta, gids = self.prompt_sampler.draw(P, G)
+        prompts, meta, gids = self.shard.draw(self.prompt_sampler)  # this rank's rows; group ids are global
         B = len(prompts)
         guidance = cfg.sampler.guidance_scale
         nfe = nfe_per_sample(self.uncond1, guidance)
@@ -250,10 +263,12 @@ class GRPOTrainer:
             model.eval()
             cond = model.encode_prompts(prompts)
             uncond = cond_repeat(self.uncond1, B) if self.uncond1 is not None else None
-            init = make_initial_noise(B, tuple(model.latent_shape), gids, cfg.shared_noise, self.gen)
+            # noise seeded per (seed, iteration, group): the same samples on 1 or N processes
+            init, noise = layout_noise(cfg.run.seed, self.iteration + 1, self.shard, model.latent_shape, len(self.timesteps) - 1, cfg.shared_noise)
             traj = rollout(
                 model, prompts, meta, gids, timesteps=self.timesteps, sampler=self.params, guidance_scale=guidance,
-                generator=self.gen, init_noise=init, keep_velocities=needs_step_rewards(cfg.credit) or needs_instant_rewards(cfg.credit),
+                generator=None, init_noise=init, step_noise=noise,
+                keep_velocities=needs_step_rewards(cfg.credit) or needs_instant_rewards(cfg.credit),
                 train_fraction=cfg.sampler.timestep_fraction, cond=cond, uncond=uncond,
             )
         T = traj.num_steps
@@ -262,13 +277,14 @@ class GRPOTrainer:
         # ---------------------------------------------------------------- REWARD
         with timer("reward"):
             images = model.decode(traj.latents[:, -1])
-            ro = self.reward_fn(images, prompts, meta, group_ids=gids)
+            ro = self.call_reward(self.reward_fn, images, prompts, meta, group_ids=gids)  # retried per `faults`
             traj.rewards = ro.scores.float()
+        rewards = self.dist.gather(traj.rewards)  # (B_global,)
         stats["reward_calls"] = B
-        stats["reward_mean"] = float(traj.rewards.mean())
-        stats["reward_std"] = float(traj.rewards.std(unbiased=False))
+        stats["reward_mean"] = float(rewards.mean())
+        stats["reward_std"] = float(rewards.std(unbiased=False))
         for k, v in ro.components.items():
-            stats[f"{k}_mean"] = float(v.float().mean())
+            stats[f"{k}_mean"] = float(self.dist.gather(v.float()).mean())
 
         # ---------------------------------------------------------------- INTERMEDIATE REWARDS (Stepwise / VGPO)
         step_rewards = instant = None
@@ -290,23 +306,33 @@ class GRPOTrainer:
             stats["reward_calls"] += n_inst["calls"]
             stats["nfe_estimates"] = stats.get("nfe_estimates", 0) + n_inst["nfe"]
 
-        # ---------------------------------------------------------------- CREDIT
+        # ---------------------------------------------------------------- CREDIT (on the gathered global batch)
         with timer("credit"):
-            cin = CreditInput(
-                rewards=traj.rewards, group_ids=gids, step_mask=traj.step_mask, step_rewards=step_rewards,
-                instant_rewards=instant, state=self.credit_state,
-            )
-            cout = assign_credit(cfg.credit, cin)
-            self.credit_state = cout.state
-            adv = cout.advantages.float()  # (B, T)
-        for k, v in cout.stats.items():
-            stats[f"credit/{k}"] = v
+            step_rewards, instant = self.dist.gather(step_rewards), self.dist.gather(instant)
+            bad = first_nonfinite(rewards=rewards, step_rewards=step_rewards, instant_rewards=instant)
+            if bad is None:
+                cin = CreditInput(
+                    rewards=rewards, group_ids=self.dist.gather(gids), step_mask=traj.step_mask, step_rewards=step_rewards,
+                    instant_rewards=instant, state=self.credit_state,
+                )
+                cout = assign_credit(cfg.credit, cin)
+                bad = first_nonfinite(advantages=cout.advantages)
+            if bad is None:
+                self.credit_state = cout.state
+                adv = cout.advantages.float()[self.shard.rows]  # (B, T): this rank's rows
+                for k, v in cout.stats.items():
+                    stats[f"credit/{k}"] = v
 
         # ---------------------------------------------------------------- UPDATE
         with timer("update"):
-            ustats = self.update(traj, adv, cond, uncond)
+            if bad is None:
+                ustats = self.update(traj, adv, cond, uncond)
+            else:  # NaN/Inf: skip and count; stops the run after faults.max_nonfinite in a row
+                ustats = {"pairs_trained": 0, "skipped_update": 1, "_nfe": 0, **self.guard.skip(bad, self.iteration + 1)}
         stats.update(ustats)
         stats["nfe_update"] = ustats.pop("_nfe")
+        counts = [k for k in ("nfe_rollout", "reward_calls", "nfe_estimates", "nfe_update") if k in stats]
+        stats.update(zip(counts, (int(v) for v in self.dist.sum([stats[k] for k in counts]))))  # over all ranks
         stats["seconds"] = timer.seconds
         stats["seconds_total"] = sum(timer.seconds.values())
         stats["_images"] = images
@@ -330,7 +356,7 @@ class GRPOTrainer:
         m = [meta[k // T] for k in keep]
         imgs = self.model.decode(flat[keep])
         scores = torch.empty(B * T)
-        sc = self.reward_fn(imgs, p, m).scores.float()
+        sc = self.call_reward(self.reward_fn, imgs, p, m).scores.float()
         scores[keep] = sc
         if shared_initial:
             for b in range(B):
@@ -358,7 +384,7 @@ class GRPOTrainer:
                 )
             )
         x0 = torch.cat(x0)
-        sc = self.reward_fn(self.model.decode(x0), [prompts[int(r)] for r in rows], [meta[int(r)] for r in rows]).scores.float()
+        sc = self.call_reward(self.reward_fn, self.model.decode(x0), [prompts[int(r)] for r in rows], [meta[int(r)] for r in rows]).scores.float()
         inst = torch.cat([sc.view(B, T - 1), traj.rewards[:, None]], dim=1)
         k = self.cfg.estimate.instant_substeps
         nfe = flat.shape[0] * (k - (1 if v_first is not None else 0)) * nfe_per_sample(uncond, guidance)
@@ -368,42 +394,33 @@ class GRPOTrainer:
         """PPO-clipped policy-gradient update over (sample, step) pairs with gradient accumulation.
 
         The loss of one optimizer step is Σ_pairs [−min(r·A, clip(r)·A) + β·KL] / N_pairs, accumulated over
-        micro-batches of `optim.micro_batch` pairs, so micro-batch size never changes the gradient.
+        micro-batches of `optim.micro_batch` pairs, so micro-batch size never changes the gradient. The pairs and their
+        order are planned on the global batch (`distributed.plan_update`; zero-advantage pairs are skipped when there
+        is no KL term); each rank trains its rows with N_pairs the GLOBAL count and the gradients are summed over ranks.
         """
         cfg, model = self.cfg, self.model
         oc = cfg.optim
-        B, T = adv.shape
         guidance = cfg.sampler.guidance_scale
-        mask = traj.step_mask.clone()
-        pairs = [(b, j) for b in range(B) for j in range(T) if mask[j]]
-        if cfg.sampler.train_steps_per_sample > 0:
-            k = cfg.sampler.train_steps_per_sample
-            steps_ok = [j for j in range(T) if mask[j]]
-            pairs = []
-            for b in range(B):
-                perm = torch.randperm(len(steps_ok), generator=self.gen)[:k]
-                pairs += [(b, steps_ok[int(i)]) for i in perm]
-        if oc.kl_beta == 0:
-            # Pairs with zero advantage and no KL term contribute no gradient: skip their forward/backward.
-            pairs = [(b, j) for (b, j) in pairs if adv[b, j] != 0]
+        n_pairs, epochs = plan_update(
+            self.dist.gather(adv), traj.step_mask, self.shard, seed=cfg.run.seed, iteration=self.iteration + 1,
+            inner_epochs=oc.inner_epochs, updates_per_epoch=oc.updates_per_epoch,
+            steps_per_sample=cfg.sampler.train_steps_per_sample, skip_zero_adv=oc.kl_beta == 0,
+        )
         on_policy = oc.inner_epochs == 1 and oc.updates_per_epoch == 1
-        out: dict[str, Any] = {"pairs_trained": len(pairs), "_nfe": 0}
-        if not pairs:
+        out: dict[str, Any] = {"pairs_trained": n_pairs, "_nfe": 0}
+        if not n_pairs:
             out.update(loss=0.0, grad_norm=0.0, clipfrac=0.0, approx_kl=0.0, kl=0.0, ratio_mean=1.0, parity_max_abs_dlogp=0.0, skipped_update=1)
             return out
         model.train()
         acc: dict[str, list[float]] = {}
         nfe = nfe_per_sample(uncond, guidance)
-        for _epoch in range(oc.inner_epochs):
-            order = torch.randperm(len(pairs), generator=self.gen).tolist()
-            chunks = np.array_split(np.array(order), oc.updates_per_epoch)
-            for chunk in chunks:
-                if len(chunk) == 0:
-                    continue
+        self.ref_offload.load()  # reference weights on the device for the update only (optim.offload_reference)
+        for chunks in epochs:
+            for mine, n_chunk in chunks:  # this rank's (row, step) pairs of one optimizer step; its global pair count
                 self.opt.zero_grad(set_to_none=True)
-                n_pairs = len(chunk)
-                for s in range(0, n_pairs, oc.micro_batch):
-                    mb = [pairs[int(i)] for i in chunk[s : s + oc.micro_batch]]
+                nonfinite_loss = False
+                for s in range(0, len(mine), oc.micro_batch):
+                    mb = mine[s : s + oc.micro_batch]
                     bi = torch.tensor([p[0] for p in mb])
                     ji = torch.tensor([p[1] for p in mb])
                     x_t = traj.latents[bi, ji]
@@ -426,32 +443,36 @@ class GRPOTrainer:
                         kl = gaussian_kl_same_std(step.mean, ref.mean, step.kl_std, self.params.reduce)
                         loss = loss + oc.kl_beta * kl
                         out["_nfe"] += len(mb) * nfe
-                    (loss.sum() / n_pairs).backward()
+                    mb_loss = loss.sum() / n_chunk
+                    nonfinite_loss |= not bool(torch.isfinite(mb_loss))
+                    mb_loss.backward()
                     out["_nfe"] += len(mb) * nfe * 2  # forward + backward ≈ counted as 2 NFE-equivalents
                     for k, val in st.items():
                         acc.setdefault(k, []).append(float(val) * len(mb))
                     acc.setdefault("kl", []).append(float(kl.detach().sum()))
                     acc.setdefault("loss", []).append(float(loss.detach().sum()))
                     acc.setdefault("parity", []).append(float((step.log_prob.detach() - rollout_lp).abs().max()))
+                nonfinite_loss = self.dist.sync_grads(self.trainable, nonfinite_loss)  # Σ over ranks
                 gn = torch.nn.utils.clip_grad_norm_(self.trainable, oc.grad_clip)
-                if not torch.isfinite(gn):
+                if nonfinite_loss or not torch.isfinite(gn):  # skip and count; stops after faults.max_nonfinite in a row
                     self.opt.zero_grad(set_to_none=True)
                     out["skipped_update"] = out.get("skipped_update", 0) + 1
+                    out.update(self.guard.skip("loss" if nonfinite_loss else "gradients", self.iteration + 1))
                     continue
+                self.guard.ok()
                 self.opt.step()
                 acc.setdefault("grad_norm", []).append(float(gn))
                 if self.ema is not None:
                     with torch.no_grad():
                         for e, p in zip(self.ema, self.trainable):
                             e.lerp_(p.detach(), 1 - oc.ema_decay)
-        n_total = len(pairs) * oc.inner_epochs
-        for k in ("loss", "kl"):
-            out[k] = sum(acc.get(k, [0.0])) / n_total
-        for k in ("clipfrac", "approx_kl", "ratio_mean"):
-            if k in acc:
-                out[k] = sum(acc[k]) / n_total
+        self.ref_offload.park()
+        n_total = n_pairs * oc.inner_epochs
+        keys = ("loss", "kl", "clipfrac", "approx_kl", "ratio_mean")
+        for k, v in zip(keys, self.dist.sum([sum(acc.get(k, [0.0])) for k in keys])):  # Σ over ranks
+            out[k] = v / n_total
         out["grad_norm"] = float(np.mean(acc.get("grad_norm", [0.0])))
-        out["parity_max_abs_dlogp"] = max(acc.get("parity", [0.0]))
+        out["parity_max_abs_dlogp"] = self.dist.max([max(acc.get("parity", [0.0]))])[0]
         return out
 
     def _reference(self):
@@ -463,6 +484,9 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------- logging / io
     def log(self, stats: dict[str, Any]) -> None:
+        if self.metrics_f is None:  # not rank 0
+            return
+        inject_point("log", self.iteration)
         rec = {"iteration": self.iteration}
         for k, v in stats.items():
             if k.startswith("_"):
@@ -480,6 +504,8 @@ class GRPOTrainer:
     def save_grid(self, images: torch.Tensor, prompts: list[str]) -> None:
         from ..eval.evaluate import make_grid, save_png
 
+        if not self.dist.is_main:
+            return
         G = self.cfg.data.group_size
         u8 = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
         save_png(make_grid(u8, ncol=G), self.out / "grids" / f"iter{self.iteration:05d}.png", scale=3)
@@ -504,6 +530,8 @@ class GRPOTrainer:
     def periodic_eval(self) -> None:
         from ..eval.evaluate import evaluate, tag_balanced_subset
 
+        if not self.dist.is_main:
+            return
         sub = tag_balanced_subset(self.eval_prompts, self.cfg.run.eval_subset)
         backup = self._swap_in_ema()
         self.model.eval()
@@ -513,6 +541,7 @@ class GRPOTrainer:
         rec = {"iteration": self.iteration, "eval_reward": s["reward_mean"], "eval_strict": s.get("strict_overall"), "eval_seconds": time.time() - t0}
         with open(self.out / "eval_curve.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
+        inject_point("eval", self.iteration)
         if self.tb is not None:
             self.tb.add_scalar("eval/reward", s["reward_mean"], self.iteration)
             if s.get("strict_overall") is not None:
@@ -556,33 +585,34 @@ class GRPOTrainer:
             "credit_state": self.credit_state,
             "torch_rng": self.gen.get_state(),
             "global_torch_rng": torch.get_rng_state(),
+            "rng_per_rank": self.dist.gather_object(rng_states()),  # every RNG of every rank (collective)
             "prompt_sampler": self.prompt_sampler.state_dict(),
+            "faults": self.guard.state_dict(),
+            "world_size": self.dist.world_size,
         }
 
     def save_checkpoint(self) -> Path:
-        """Atomic write (temp file + rename) of every state; keeps the two newest checkpoints."""
-        d = self.out / "checkpoints"
-        path = d / f"iter{self.iteration:06d}.pt"
-        if path.exists():
-            return path
-        tmp = path.with_suffix(".pt.tmp")
-        torch.save(self.checkpoint_state(), tmp)
-        os.replace(tmp, path)
-        for old in sorted(d.glob("iter*.pt"))[:-2]:
-            old.unlink()
+        """Rank 0 writes every state atomically with a manifest and sha256 (`checkpoint.save`); keeps the two newest."""
+        state = self.checkpoint_state()  # every rank takes part (RNG gather)
+        path = self.out / "checkpoints" / f"iter{self.iteration:06d}.pt"
+        if self.dist.is_main:
+            checkpoint.save(state, path, iteration=self.iteration, keep=2, fault=lambda phase: inject_point(phase, self.iteration))
         return path
 
     def latest_checkpoint(self) -> Path | None:
-        cks = sorted((self.out / "checkpoints").glob("iter*.pt"))
-        return cks[-1] if cks else None
+        """The newest checkpoint that verifies; a torn/corrupt one is skipped with a warning."""
+        return checkpoint.find_latest(self.out / "checkpoints", warn=self.dist.is_main)
 
     def load_checkpoint(self, path: Path) -> None:
-        st = torch.load(path, weights_only=False)
+        st = checkpoint.load(path)
         self.model.net.load_state_dict(st["model"])
         self.opt.load_state_dict(st["optimizer"])
-        self.ema = [st["ema"][n] for n in self.trainable_names] if st["ema"] is not None else None
+        self.ema = [st["ema"][n].to(self.device) for n in self.trainable_names] if st["ema"] is not None else None
         self.credit_state = st["credit_state"]
         self.gen.set_state(st["torch_rng"])
         torch.set_rng_state(st["global_torch_rng"])
+        if st.get("rng_per_rank"):
+            set_rng_states(st["rng_per_rank"][min(self.dist.rank, len(st["rng_per_rank"]) - 1)])
         self.prompt_sampler.load_state_dict(st["prompt_sampler"])
+        self.guard.load_state_dict(st.get("faults", {}))
         self.iteration = st["iteration"]

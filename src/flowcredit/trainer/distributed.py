@@ -1,0 +1,385 @@
+"""Many processes through accelerate: sharding, global statistics, gradient sync, layout-independent noise, memory.
+
+The contract (docs/SCALING.md): the SAME config trains the same way on 1 or N processes.
+
+* ``data.prompts_per_iter`` is the GLOBAL number of prompt groups. Every process draws the same global batch from
+  the same seeded ``PromptSampler`` (drawing prompts costs nothing) and keeps its contiguous slice of B/N rows
+  (``Shard``); with P divisible by N, groups never span two processes. The sampler state is therefore identical on
+  every rank and a checkpoint resumes on any number of processes.
+* The initial noise and the SDE noise of a sample come from a generator seeded by (seed, iteration, global group
+  index) (``layout_noise``); update-order and step-subset draws are seeded by (seed, iteration, ...) too. Nothing
+  random depends on the rank layout, so N processes × B/N samples reproduce 1 process × B samples.
+* Rewards (and step/instant rewards) are all-gathered; the credit is computed on the gathered global batch by
+  every rank (identical inputs → identical advantages and credit state), and each rank keeps its rows.
+* The loss of one optimizer step is Σ_pairs(...) / N_pairs_global on each rank and the gradients are SUMMED over
+  ranks (``Dist.sync_grads``), which is exactly the one-process gradient.
+* Only rank 0 writes (``Dist.is_main``).
+
+Only the trainer layer imports accelerate, lazily (STYLE.md R6). One process: every collective is the identity.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+# seed streams of derived generators (seed, stream, iteration, index)
+STREAM_NOISE = 1
+STREAM_UPDATE_ORDER = 2
+STREAM_STEP_SUBSET = 3
+
+GRAD_BUCKET_NUMEL = 1 << 24  # 16 M elements (64 MB fp32) per gradient all-reduce
+
+
+def derived_generator(seed: int, stream: int, iteration: int, index: int = 0) -> torch.Generator:
+    """A CPU torch.Generator seeded by (seed, stream, iteration, index): the same on every rank and every layout."""
+    s = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(stream), int(iteration), int(index)]).generate_state(2, np.uint32)
+    return torch.Generator(device="cpu").manual_seed(int(s[0]) << 31 ^ int(s[1]))
+
+
+class Dist:
+    """The process group as the trainer sees it (rank, world size, device, collectives).
+
+    Built by ``Dist.create``; with one process every method is an identity or a no-op and accelerate is not imported.
+    """
+
+    def __init__(self, accelerator: Any = None, device: torch.device | str = "cpu"):
+        self.acc = accelerator
+        if accelerator is not None:
+            self.rank, self.world_size, self.device = accelerator.process_index, accelerator.num_processes, accelerator.device
+        else:
+            self.rank, self.world_size, self.device = 0, 1, torch.device(device)
+
+    @classmethod
+    def create(cls, enabled: bool | None, device: str) -> "Dist":
+        """``enabled`` None = on when the launcher set WORLD_SIZE > 1 (torchrun, accelerate launch)."""
+        if enabled is None:
+            enabled = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if not enabled:
+            return cls(None, device)
+        try:
+            from accelerate import Accelerator
+        except ImportError:
+            raise RuntimeError("dist.enabled needs accelerate: pip install 'accelerate>=0.30'") from None
+        acc = Accelerator(cpu=torch.device(device).type == "cpu", mixed_precision="no")
+        return cls(acc)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    # --------------------------------------------------------------------------------------------- collectives
+    def _comm_device(self) -> torch.device:
+        return self.device if torch.device(self.device).type == "cuda" else torch.device("cpu")
+
+    def gather(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """Concatenate every rank's (B_local, ...) tensor along dim 0 in rank order → (B_global, ...)."""
+        if t is None or not self.active:
+            return t
+        out = self.acc.gather(t.contiguous().to(self._comm_device()))
+        return out.to(t.device)
+
+    def _all_reduce(self, values: Sequence[float], op: str) -> list[float]:
+        if not self.active:
+            return [float(v) for v in values]
+        import torch.distributed as dist
+
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self._comm_device())
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        return self._all_reduce(values, "sum")
+
+    def max(self, values: Sequence[float]) -> list[float]:
+        return self._all_reduce(values, "max")
+
+    def any(self, flag: bool) -> bool:
+        return self.max([1.0 if flag else 0.0])[0] > 0
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        if not self.active:
+            return [obj]
+        from accelerate.utils import gather_object
+
+        return gather_object([obj])
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's value on every rank."""
+        if not self.active:
+            return obj
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([obj])[0]
+
+    def barrier(self) -> None:
+        if self.active:
+            self.acc.wait_for_everyone()
+
+    def sync_grads(self, params: Sequence[torch.nn.Parameter], local_bad: bool = False) -> bool:
+        """Sum the gradients of ``params`` over ranks (the loss is already normalised by the GLOBAL pair count).
+
+        A parameter that got a gradient on no rank keeps ``grad = None`` (as in one process, so AdamW skips it); one
+        that got it on some ranks gets zeros elsewhere. Returns True when any rank flagged a non-finite loss.
+        """
+        if not self.active:
+            return local_bad
+        import torch.distributed as dist
+
+        dev = self._comm_device()
+        flags = torch.tensor([p.grad is not None for p in params] + [local_bad], dtype=torch.float32, device=dev)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        has = flags[:-1].bool().tolist()
+        live = []
+        for p, h in zip(params, has):
+            if h:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                live.append(p)
+        bucket: list[torch.nn.Parameter] = []
+        numel = 0
+        for p in live + [None]:
+            if p is not None:
+                bucket.append(p)
+                numel += p.numel()
+            if bucket and (p is None or numel >= GRAD_BUCKET_NUMEL):
+                flat = torch.cat([q.grad.reshape(-1).to(dev, torch.float32) for q in bucket])
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+                off = 0
+                for q in bucket:
+                    n = q.numel()
+                    q.grad.copy_(flat[off : off + n].view_as(q.grad))
+                    off += n
+                bucket, numel = [], 0
+        return bool(flags[-1] > 0)
+
+    def close(self) -> None:
+        """Tear the process group down (gloo aborts at interpreter exit otherwise)."""
+        if self.active:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                self.barrier()
+                dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's contiguous slice [start, stop) of the global batch of B = P·G rows (group-major order)."""
+
+    num_groups: int  # P (global)
+    group_size: int  # G
+    rank: int
+    world_size: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.num_groups * self.group_size
+
+    @property
+    def start(self) -> int:
+        return self.rank * self.global_batch // self.world_size
+
+    @property
+    def stop(self) -> int:
+        return (self.rank + 1) * self.global_batch // self.world_size
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.stop)
+
+    @classmethod
+    def create(cls, num_groups: int, group_size: int, rank: int, world_size: int, split_groups: bool) -> "Shard":
+        B = num_groups * group_size
+        if num_groups % world_size != 0:
+            if not split_groups or B % world_size != 0:
+                raise ValueError(
+                    f"data.prompts_per_iter={num_groups} groups cannot be shared evenly by {world_size} processes; use a "
+                    f"multiple of {world_size} (e.g. {world_size * max(1, round(num_groups / world_size))})"
+                    + ("" if split_groups else f", or dist.split_groups=true when B={B} is a multiple of {world_size}")
+                )
+        return cls(num_groups, group_size, rank, world_size)
+
+    def draw(self, sampler, rng_iteration: int | None = None):
+        """The global draw of the (shared, identically seeded) PromptSampler, cut to this rank's rows.
+
+        Returns (prompts, metadata, group_ids) of this rank, group ids GLOBAL (0 … P−1), so they are unique across ranks.
+        """
+        prompts, meta, gids = sampler.draw(self.num_groups, self.group_size)
+        r = self.rows
+        return prompts[r], meta[r], gids[r]
+
+    def global_group_ids(self) -> torch.Tensor:
+        return torch.arange(self.num_groups, dtype=torch.long).repeat_interleave(self.group_size)
+
+
+def layout_noise(
+    seed: int, iteration: int, shard: Shard, latent_shape: Sequence[int], num_steps: int, shared: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Initial noise x^(0) (B_local, *latent) and SDE step noise (B_local, T, *latent) of this rank's rows.
+
+    Every group g draws its own (G or 1 initial, G × T step) standard normals from ``derived_generator(seed,
+    STREAM_NOISE, iteration, g)``, so a sample's noise depends on (seed, iteration, group, member) only, never on the
+    number of processes. ``shared``: one initial noise per group (Stepwise/VGPO).
+    """
+    G = shard.group_size
+    latent_shape = tuple(latent_shape)
+    inits, steps = [], []
+    for g in range(shard.start // G, (shard.stop - 1) // G + 1):
+        gen = derived_generator(seed, STREAM_NOISE, iteration, g)
+        x0 = torch.randn((1 if shared else G, *latent_shape), generator=gen)
+        eps = torch.randn((G, num_steps, *latent_shape), generator=gen)
+        lo, hi = max(shard.start, g * G) - g * G, min(shard.stop, (g + 1) * G) - g * G
+        inits.append(x0.expand(G, *latent_shape)[lo:hi] if shared else x0[lo:hi])
+        steps.append(eps[lo:hi])
+    return torch.cat(inits).contiguous(), torch.cat(steps)
+
+
+def plan_update(
+    adv_global: torch.Tensor,
+    step_mask: torch.Tensor,
+    shard: Shard,
+    *,
+    seed: int,
+    iteration: int,
+    inner_epochs: int,
+    updates_per_epoch: int,
+    steps_per_sample: int,
+    skip_zero_adv: bool,
+) -> tuple[int, list[list[tuple[list[tuple[int, int]], int]]]]:
+    """Which (sample, step) pairs each optimizer step trains, decided on the GLOBAL batch by every rank alike.
+
+    Returns (number of global pairs, per epoch a list of chunks), each chunk = (this rank's pairs as (local row, step),
+    the chunk's GLOBAL pair count — the loss normaliser). With one process this is the classic update schedule.
+    """
+    B, T = adv_global.shape
+    mask = step_mask.tolist()
+    steps_ok = [j for j in range(T) if mask[j]]
+    if steps_per_sample > 0:
+        pairs = []
+        for b in range(B):
+            perm = torch.randperm(len(steps_ok), generator=derived_generator(seed, STREAM_STEP_SUBSET, iteration, b))[:steps_per_sample]
+            pairs += [(b, steps_ok[int(i)]) for i in perm]
+    else:
+        pairs = [(b, j) for b in range(B) for j in steps_ok]
+    if skip_zero_adv:  # zero advantage and no KL term: no gradient, skip the forward/backward
+        nz = (adv_global != 0).tolist()
+        pairs = [(b, j) for (b, j) in pairs if nz[b][j]]
+    epochs = []
+    for epoch in range(inner_epochs):
+        order = torch.randperm(len(pairs), generator=derived_generator(seed, STREAM_UPDATE_ORDER, iteration, epoch)).tolist()
+        chunks = []
+        for chunk in np.array_split(np.array(order, dtype=np.int64), updates_per_epoch):
+            if len(chunk) == 0:
+                continue
+            mine = [(pairs[i][0] - shard.start, pairs[i][1]) for i in chunk.tolist() if shard.start <= pairs[i][0] < shard.stop]
+            chunks.append((mine, len(chunk)))
+        epochs.append(chunks)
+    return len(pairs), epochs
+
+
+# ------------------------------------------------------------------------------------------------------ memory
+class OffloadedAdamW:
+    """AdamW whose fp32 master weights and moments live in CPU memory (ZeRO-Offload style, without DeepSpeed).
+
+    ``step()`` copies the device gradients to the CPU masters, steps AdamW there and copies the weights back, so the
+    accelerator holds only the (possibly bf16) weights and their gradients. Same math as ``torch.optim.AdamW``; the
+    state dict has the same layout, so checkpoints move between offloaded and plain runs.
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], **kw):
+        self.params = list(params)
+        self.master = [p.detach().to("cpu", torch.float32, copy=True).requires_grad_(True) for p in self.params]
+        self.inner = torch.optim.AdamW(self.master, **kw)
+        self.param_groups = self.inner.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, m in zip(self.params, self.master):
+            m.grad = None if p.grad is None else p.grad.detach().to("cpu", torch.float32)
+        self.inner.step()
+        for p, m in zip(self.params, self.master):
+            p.copy_(m.to(p.device, p.dtype))
+
+    @torch.no_grad()
+    def resync(self) -> None:
+        """Re-read the master weights from the model (after a checkpoint load replaced them)."""
+        for p, m in zip(self.params, self.master):
+            m.copy_(p.detach().to("cpu", torch.float32))
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+        self.resync()
+
+
+def build_optimizer(params: Sequence[torch.nn.Parameter], offload: bool, **kw):
+    return OffloadedAdamW(params, **kw) if offload else torch.optim.AdamW(params, **kw)
+
+
+class ReferenceOffload:
+    """Parks the frozen reference copy in CPU memory outside the update phase (``optim.offload_reference``)."""
+
+    def __init__(self, ref_model: torch.nn.Module | None, device: torch.device | str, enabled: bool):
+        self.ref, self.device, self.enabled = ref_model, torch.device(device), enabled and ref_model is not None
+        self.park()
+
+    def load(self) -> None:
+        """Reference weights onto the device (start of the update phase)."""
+        if self.enabled:
+            self.ref.to(self.device)
+
+    def park(self) -> None:
+        """Reference weights back to CPU memory (end of the update phase)."""
+        if self.enabled:
+            self.ref.to("cpu")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def enable_gradient_checkpointing(model) -> bool:
+    """``model.gradient_checkpointing``: the model's own switch when it has one (diffusers adapters), else each of
+    the tiny model's transformer blocks recomputes its activations in the backward pass (``torch.utils.checkpoint``;
+    parameter names unchanged). Apply it to the policy only, after any reference copy was made. Returns whether on."""
+    own = getattr(model, "enable_gradient_checkpointing", None)
+    if callable(own):
+        own()
+        return True
+    blocks = getattr(getattr(model, "net", None), "blocks", None)
+    if blocks is None:
+        warnings.warn(f"model.gradient_checkpointing: {type(model).__name__} has no switch; ignored", stacklevel=2)
+        return False
+    for blk in blocks:
+        if not getattr(blk, "_fc_checkpointed", False):
+            blk.forward = _checkpointed(blk.forward)
+            blk._fc_checkpointed = True
+    return True
+
+
+def _checkpointed(forward):
+    def run(*args):
+        if torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(forward, *args, use_reentrant=False)
+        return forward(*args)
+
+    return run

@@ -1,0 +1,93 @@
+"""Launch helper of the scale and fault tests: the tiny test run, in this process or in each of N processes.
+
+    python tests/trainer/dist_script.py MODEL OUT_DIR [key=value ...]                       # 1 process
+    python -m torch.distributed.run --standalone --nproc_per_node 2 \\
+        tests/trainer/dist_script.py MODEL OUT_DIR [key=value ...]                          # 2 processes (gloo)
+
+The reward is ``image_mean_reward`` (deterministic, distinct per sample). Each rank writes
+``OUT_DIR/final_rank{r}.pt`` with its model weights after training. ``FLOWCREDIT_FAULT_INJECT=phase:iteration`` kills
+the process at that point (flowcredit/trainer/faults.py). Exit code: 0 done, 3 stopped by a fault.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+_ROOT = Path(__file__).resolve().parents[2]
+if str(_ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(_ROOT / "src"))
+
+from flowcredit.cli.main import PRESET_DIR  # noqa: E402
+from flowcredit.config import load_config  # noqa: E402
+from flowcredit.config.schema import TrainConfig  # noqa: E402
+from flowcredit.rewards.base import RewardOutput  # noqa: E402
+
+P, G, T = 4, 2, 3  # global prompts per iteration, group size, rollout steps
+
+
+def image_mean_reward(images, prompts, metadata, **kw):
+    """Deterministic, distinct per sample, so group advantages are non-zero."""
+    return RewardOutput(scores=images.float().mean(dim=(1, 2, 3)))
+
+
+def make_model(directory: Path) -> Path:
+    """A random width-32 tiny model with perturbed zero-init layers (as in test_grpo.py)."""
+    from flowcredit.models.tiny import TinyDiTConfig, TinyFlowModel
+
+    torch.manual_seed(0)
+    model = TinyFlowModel(TinyDiTConfig(width=32, depth=1, heads=2))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.net.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return model.save(directory, name="m")
+
+
+def overrides(model_path, out_dir, *extra: str) -> list[str]:
+    return [
+        f"model.path={model_path}", "model.precision=fp32", f"sampler.num_steps={T}", f"data.prompts_per_iter={P}",
+        f"data.group_size={G}", "run.iterations=2", "run.threads=1", f"run.out_dir={out_dir}",
+        "run.eval_prompts=shapes:test_unique", "run.eval_steps=2", "run.eval_subset=2", "run.eval_at_end=false",
+        "run.grid_every=0", "optim.lr=1e-3", *extra,
+    ]
+
+
+def make_trainer(model_path, out_dir, *extra: str, reward=image_mean_reward):
+    from flowcredit.trainer.grpo import GRPOTrainer
+
+    cfg = load_config(TrainConfig, "tiny_flow_grpo", overrides(model_path, out_dir, *extra), preset_dirs=[PRESET_DIR])
+    tr = GRPOTrainer(cfg, preset_name="test")
+    tr.setup()
+    tr.reward_fn = reward
+    return tr
+
+
+def main(argv: list[str]) -> int:
+    from flowcredit.trainer.faults import RunStopped
+
+    model_path, out_dir, extra = argv[0], Path(argv[1]), argv[2:]
+    tr = make_trainer(model_path, out_dir, *extra)
+    rank = tr.dist.rank
+    try:
+        tr.train()
+    except RunStopped as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    torch.save({k: v.detach().clone() for k, v in tr.model.net.state_dict().items()}, out_dir / f"final_rank{rank}.pt")
+    return 0
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(_ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["OMP_NUM_THREADS"] = "1"
+    env.pop("FLOWCREDIT_FAULT_INJECT", None)
+    return env
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
