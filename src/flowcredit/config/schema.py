@@ -31,6 +31,9 @@ class ModelCfg:
         None, "Module names LoRA wraps; null = the family default (SD3: flow_grpo's attention projections).", 
     )
     gradient_checkpointing: bool = _h(False, "Recompute activations in the backward pass to save memory (real models).")
+    resolution: Optional[int] = _h(None, "Image side in pixels for SD3/FLUX (papers: 512); null = the transformer's native size.")
+    max_sequence_length: Optional[int] = _h(None, "T5 prompt tokens for SD3/FLUX; null = the pipeline's default.")
+    embedded_guidance: float = _h(3.5, "FLUX.1-dev distilled guidance embedding (not CFG; CFG is sampler.guidance_scale).")
 
     def __post_init__(self):
         if self.lora_targets is None:
