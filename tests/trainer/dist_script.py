@@ -34,6 +34,41 @@ def image_mean_reward(images, prompts, metadata, **kw):
     return RewardOutput(scores=images.float().mean(dim=(1, 2, 3)))
 
 
+class ImageMeanReward:
+    """``image_mean_reward`` as a reward class, for configs: ``reward.name=dist_script:ImageMeanReward``."""
+
+    def __call__(self, images, prompts, metadata, **kw):
+        return image_mean_reward(images, prompts, metadata)
+
+
+class NaNReward(ImageMeanReward):
+    """NaN from the second call on (a reward model gone bad after one good iteration)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, images, prompts, metadata, **kw):
+        self.calls += 1
+        out = super().__call__(images, prompts, metadata)
+        if self.calls > 1:
+            out.scores[0] = float("nan")
+        return out
+
+
+class SigtermAtIteration2Reward(ImageMeanReward):
+    """Sends SIGTERM to its own process during the second reward call (iteration 2 of a flow_grpo run)."""
+
+    calls = 0
+
+    def __call__(self, images, prompts, metadata, **kw):
+        import signal
+
+        type(self).calls += 1
+        if type(self).calls == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().__call__(images, prompts, metadata)
+
+
 def make_model(directory: Path) -> Path:
     """A random width-32 tiny model with perturbed zero-init layers (as in test_grpo.py)."""
     from flowcredit.models.tiny import TinyDiTConfig, TinyFlowModel

@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,6 +176,8 @@ class GRPOTrainer:
         ckpt = self.latest_checkpoint()
         if ckpt is not None:
             self.load_checkpoint(ckpt)
+            if self.dist.is_main:
+                print(f"resuming from {ckpt} (iteration {self.iteration})", file=sys.stderr, flush=True)
         self.metrics_f = self.tb = None
         if self.dist.is_main:
             for log_file in ("metrics.jsonl", "eval_curve.jsonl"):  # a resumed run redoes the later iterations

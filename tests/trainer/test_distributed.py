@@ -1,0 +1,191 @@
+"""Many processes: 2 CPU processes (gloo, torchrun) train exactly like 1 process with the same global batch; the
+layout-independent pieces (shard, noise, update plan) in isolation; memory switches (optimizer / reference offload,
+gradient checkpointing) are honoured and do not change the result."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import dist_script as ds  # noqa: E402
+
+from flowcredit.trainer.distributed import Shard, layout_noise, plan_update  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return ds.make_model(tmp_path_factory.mktemp("model"))
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+TIMING = ("seconds", "seconds_total")
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2 processes == 1 process
+# ---------------------------------------------------------------------------------------------------------------
+
+CASES = {
+    # global std (flow_grpo) + two optimizer steps per iteration + short micro-batches
+    "flow_grpo": ("optim.updates_per_epoch=2", "optim.micro_batch=3"),
+    # step rewards gathered, stateful credit (EMA baseline), KL to a frozen reference, EMA weights, shared noise
+    "stepwise": ("method=stepwise", "estimate.substeps=2", "optim.kl_beta=0.1", "optim.ema_decay=0.5"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_processes_match_one_process(tmp_path, model_path, case):
+    extra = CASES[case]
+    one = ds.make_trainer(model_path, tmp_path / "one", *extra)
+    one.train()
+    ref = one.model.net.state_dict()
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(Path(ds.__file__)), str(model_path), str(tmp_path / "two"), *extra]
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=ds.child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert time.time() - t0 < 60
+
+    r0 = torch.load(tmp_path / "two" / "final_rank0.pt")
+    r1 = torch.load(tmp_path / "two" / "final_rank1.pt")
+    assert r0.keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(r0[k], r1[k]), f"ranks disagree on {k}"
+        torch.testing.assert_close(r0[k], ref[k], rtol=1e-5, atol=1e-5, msg=f"2 processes vs 1: {k}")
+    m1, m2 = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert [r["iteration"] for r in m2] == [1, 2]
+    for a, b in zip(m1, m2):
+        assert a.keys() == b.keys()
+        assert a["pairs_trained"] == b["pairs_trained"] and a["reward_calls"] == b["reward_calls"]
+        assert a["nfe_update"] == b["nfe_update"] and a["grad_norm"] > 0
+        for k in ("reward_mean", "reward_std", "grad_norm", "credit/adv_std"):
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
+    # only rank 0 wrote the run folder, and its checkpoint verifies
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["iter000002.json", "iter000002.pt"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layout independence of the pieces
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_shard_rows_and_validation():
+    shards = [Shard.create(4, 3, r, 2, False) for r in range(2)]
+    assert [(s.start, s.stop) for s in shards] == [(0, 6), (6, 12)]
+    with pytest.raises(ValueError, match="prompts_per_iter=3 groups cannot be shared evenly by 2 processes"):
+        Shard.create(3, 2, 0, 2, False)
+    split = [Shard.create(3, 2, r, 2, True) for r in range(2)]  # B = 6: group 1 spans both ranks
+    assert [(s.start, s.stop) for s in split] == [(0, 3), (3, 6)]
+    with pytest.raises(ValueError):
+        Shard.create(3, 3, 0, 2, True)  # B = 9 is not a multiple of 2
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("groups, size, world", [(4, 2, 2), (4, 2, 4), (3, 2, 2)])
+def test_layout_noise_does_not_depend_on_the_process_count(shared, groups, size, world):
+    latent, T = (2, 3, 3), 4
+    init1, step1 = layout_noise(7, 5, Shard(groups, size, 0, 1), latent, T, shared)
+    assert init1.shape == (groups * size, *latent) and step1.shape == (groups * size, T, *latent)
+    parts = [layout_noise(7, 5, Shard(groups, size, r, world), latent, T, shared) for r in range(world)]
+    assert torch.equal(torch.cat([p[0] for p in parts]), init1)
+    assert torch.equal(torch.cat([p[1] for p in parts]), step1)
+    if shared:
+        assert torch.equal(init1[0], init1[1]) and not torch.equal(init1[0], init1[size])
+    # another iteration draws other noise
+    assert not torch.equal(layout_noise(7, 6, Shard(groups, size, 0, 1), latent, T, shared)[1], step1)
+
+
+@pytest.mark.parametrize("steps_per_sample, skip_zero", [(0, True), (1, False)])
+def test_update_plan_is_the_one_process_plan_cut_by_rows(steps_per_sample, skip_zero):
+    B, T = 8, 3
+    adv = torch.randn(B, T)
+    adv[1] = 0.0
+    mask = torch.tensor([True, True, False])
+    kw = dict(seed=3, iteration=2, inner_epochs=2, updates_per_epoch=3, steps_per_sample=steps_per_sample, skip_zero_adv=skip_zero)
+    n1, plan1 = plan_update(adv, mask, Shard(4, 2, 0, 1), **kw)
+    plans = [plan_update(adv, mask, Shard(4, 2, r, 2), **kw) for r in range(2)]
+    assert all(n == n1 for n, _ in plans)
+    for e, epoch in enumerate(plan1):
+        for c, (pairs, n_global) in enumerate(epoch):
+            assert n_global == len(pairs)
+            merged = []
+            for r, (_, p) in enumerate(plans):
+                mine, n_r = p[e][c]
+                assert n_r == n_global  # every rank normalises by the global count
+                merged += [(b + 4 * r, j) for b, j in mine]
+            assert sorted(merged) == sorted(pairs)
+    if skip_zero:
+        assert all(b != 1 for epoch in plan1 for pairs, _ in epoch for b, _ in pairs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Memory switches
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _weights(tr):
+    return {k: v.detach().clone() for k, v in tr.model.net.state_dict().items()}
+
+
+def test_offload_optimizer_is_honoured_and_exact(tmp_path, model_path):
+    plain = ds.make_trainer(model_path, tmp_path / "plain")
+    plain.train()
+    off = ds.make_trainer(model_path, tmp_path / "off", "optim.offload_optimizer=true")
+    assert type(off.opt).__name__ == "OffloadedAdamW"
+    assert all(m.device.type == "cpu" for m in off.opt.master)
+    off.train()
+    a, b = _weights(plain), _weights(off)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # the optimizer state has the plain layout: a plain run resumes from an offloaded checkpoint
+    st = torch.load(tmp_path / "off" / "checkpoints" / "iter000002.pt", weights_only=False)
+    plain.opt.load_state_dict(st["optimizer"])
+
+
+def test_offload_reference_is_honoured(tmp_path, model_path):
+    tr = ds.make_trainer(model_path, tmp_path / "ref", "optim.kl_beta=0.1", "optim.offload_reference=true")
+    assert tr.ref_model is not None and tr.ref_offload.enabled
+    moves = []
+    orig_to = tr.ref_model.to
+
+    def spy_to(*a, **k):
+        moves.append(str(a[0]) if a else str(k))
+        return orig_to(*a, **k)
+
+    tr.ref_model.to = spy_to
+    stats = tr.train_step()
+    assert stats["kl"] >= 0 and stats["pairs_trained"] > 0
+    assert moves == [str(tr.device), "cpu"]  # onto the device for the update, parked after it
+    assert all(p.device.type == "cpu" for p in tr.ref_model.parameters())
+    off = ds.make_trainer(model_path, tmp_path / "ref_off", "optim.kl_beta=0.1")
+    assert not off.ref_offload.enabled
+
+
+def test_gradient_checkpointing_switch_keeps_the_gradient(tmp_path, model_path):
+    grads = {}
+    for gc in ("false", "true"):
+        tr = ds.make_trainer(model_path, tmp_path / f"gc{gc}", f"model.gradient_checkpointing={gc}", "optim.grad_clip=1e9")
+        assert all(getattr(b, "_fc_checkpointed", False) == (gc == "true") for b in tr.model.net.blocks)
+        tr.opt.step = lambda *a, **k: None
+        tr.train_step()
+        grads[gc] = {n: p.grad.clone() for n, p in tr.model.net.named_parameters() if p.grad is not None}
+    assert grads["true"].keys() == grads["false"].keys() and grads["true"]
+    for n, g in grads["false"].items():
+        torch.testing.assert_close(grads["true"][n], g, rtol=1e-5, atol=1e-7)

@@ -1,0 +1,195 @@
+"""Bad events a run survives (NaN/Inf rewards or gradients, a reward that fails then recovers, SIGTERM) and the ones
+that stop it with a clear error and an intact last checkpoint (NaN every iteration, a reward that keeps failing)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import dist_script as ds  # noqa: E402
+
+from flowcredit.rewards.base import RewardOutput  # noqa: E402
+from flowcredit.trainer import checkpoint  # noqa: E402
+from flowcredit.trainer.faults import RetryingCall, RunStopped  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return ds.make_model(tmp_path_factory.mktemp("model"))
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(tr):
+    return {k: v.detach().clone() for k, v in tr.model.net.state_dict().items()}
+
+
+class Scripted:
+    """image_mean_reward, with a per-call script: 'ok', 'nan' (one NaN score), 'raise', or a sleep in seconds."""
+
+    def __init__(self, script):
+        self.script, self.calls = list(script), 0
+
+    def __call__(self, images, prompts, metadata, **kw):
+        action = self.script[self.calls] if self.calls < len(self.script) else "ok"
+        self.calls += 1
+        out = ds.image_mean_reward(images, prompts, metadata)
+        if action == "nan":
+            out.scores[0] = float("nan")
+        elif action == "raise":
+            raise ConnectionError("reward server unreachable")
+        elif isinstance(action, float):
+            time.sleep(action)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# NaN / Inf
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_nan_rewards_skip_the_update_and_are_counted(tmp_path, model_path, capsys):
+    tr = ds.make_trainer(model_path, tmp_path / "run", "run.iterations=3", reward=Scripted(["ok", "nan", "ok"]))
+    snaps = []
+    orig = tr.train_step
+
+    def step():
+        stats = orig()
+        snaps.append(weights(tr))
+        return stats
+
+    tr.train_step = step
+    assert tr.train()["iterations"] == 3
+    recs = read_metrics(tmp_path / "run")
+    assert [r["iteration"] for r in recs] == [1, 2, 3]
+    assert recs[1]["skipped_update"] == 1 and recs[1]["nonfinite_skipped"] == 1 and recs[1]["nonfinite_reason"] == "rewards"
+    assert recs[1]["pairs_trained"] == 0 and "nonfinite_skipped" not in recs[0] and recs[2]["grad_norm"] > 0
+    assert all(torch.equal(snaps[0][k], snaps[1][k]) for k in snaps[0])  # iteration 2 changed nothing
+    assert not all(torch.equal(snaps[1][k], snaps[2][k]) for k in snaps[1])  # iteration 3 trained again
+    assert "ALARM: non-finite rewards at iteration 2: update skipped (1 of 3 in a row, 1 in total)" in capsys.readouterr().err
+
+
+def test_nonfinite_gradients_skip_the_optimizer_step(tmp_path, model_path, capsys):
+    tr = ds.make_trainer(model_path, tmp_path / "run", "run.iterations=2")
+    p = tr.trainable[0]
+    p.register_hook(lambda g: g * float("inf") if tr.iteration == 0 else g)
+    before = weights(tr)
+    tr.train_step()
+    assert all(torch.equal(before[k], v) for k, v in weights(tr).items())
+    tr.iteration += 1
+    stats = tr.train_step()
+    assert stats.get("skipped_update", 0) == 0 and tr.guard.consecutive == 0 and tr.guard.total == 1
+    assert "non-finite gradients at iteration 1" in capsys.readouterr().err
+
+
+def test_repeated_nan_stops_the_run_with_the_last_checkpoint_intact(tmp_path, model_path, capsys):
+    from flowcredit.cli.main import main
+
+    out = tmp_path / "run"
+    base = ds.overrides(model_path, out, "run.iterations=6", "run.checkpoint_every=1", "faults.max_nonfinite=2")
+    # a clean first iteration, then a reward that always returns NaN
+    tr = ds.make_trainer(model_path, out, "run.iterations=6", "run.checkpoint_every=1", "faults.max_nonfinite=2",
+                         reward=Scripted(["ok"] + ["nan"] * 10))
+    with pytest.raises(RunStopped, match="at iteration 3: 2 consecutive updates skipped for NaN/Inf .*faults.max_nonfinite reached"):
+        tr.train()
+    d = out / "checkpoints"
+    # iteration 2 was skipped (and checkpointed: counting and skipping is survivable); iteration 3 hit the limit
+    assert checkpoint.find_latest(d) == d / "iter000002.pt" and checkpoint.verify(d / "iter000002.pt") is None
+    assert [r["iteration"] for r in read_metrics(out)] == [1, 2]
+    ck = checkpoint.load(d / "iter000002.pt")
+    assert ck["faults"] == {"consecutive": 1, "total": 1}
+
+    # through the CLI: one line, exit code 3
+    capsys.readouterr()
+    base = [o for o in base if not o.startswith("run.out_dir")] + [f"run.out_dir={tmp_path / 'cli'}"]
+    assert main(["train", "tiny_flow_grpo", *base, "reward.name=dist_script:NaNReward"]) == 3
+    assert "error: stopped at iteration 3: 2 consecutive updates skipped for NaN/Inf (last: rewards)" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rewards that fail
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_reward_failing_twice_then_succeeding_is_survived(tmp_path, model_path, capsys):
+    flaky = ds.make_trainer(model_path, tmp_path / "flaky", "faults.reward_backoff=0.01", reward=Scripted(["raise", "raise"]))
+    flaky.train()
+    err = capsys.readouterr().err
+    assert err.count("warning: reward failed") == 2
+    assert "attempt 1 of 3: ConnectionError: reward server unreachable); retrying in 0.01 s" in err
+    assert "attempt 2 of 3" in err and flaky.call_reward.total_retries == 2
+    clean = ds.make_trainer(model_path, tmp_path / "clean")
+    clean.train()
+    a, b = weights(flaky), weights(clean)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the retries changed nothing
+
+
+def test_reward_timeout_is_retried(tmp_path, model_path, capsys):
+    tr = ds.make_trainer(model_path, tmp_path / "run", "run.iterations=1", "faults.reward_timeout=0.2", "faults.reward_backoff=0",
+                         reward=Scripted([0.6]))
+    tr.train()
+    assert "TimeoutError: no answer within faults.reward_timeout=0.2 s" in capsys.readouterr().err
+
+
+def test_reward_that_keeps_failing_stops_with_the_last_checkpoint_intact(tmp_path, model_path):
+    out = tmp_path / "run"
+    tr = ds.make_trainer(model_path, out, "run.iterations=3", "run.checkpoint_every=1", "faults.reward_retries=1",
+                         "faults.reward_backoff=0", reward=Scripted(["ok"] + ["raise"] * 10))
+    with pytest.raises(RunStopped, match=r"reward failed 2 times \(faults.reward_retries=1\); last error: ConnectionError"):
+        tr.train()
+    d = out / "checkpoints"
+    assert sorted(p.name for p in d.iterdir()) == ["iter000001.json", "iter000001.pt"]
+    assert checkpoint.verify(d / "iter000001.pt") is None
+    assert [r["iteration"] for r in read_metrics(out)] == [1]
+
+
+def test_retry_backoff_doubles():
+    sleeps = []
+    call = RetryingCall(retries=3, backoff=0.5, timeout=0, sleep=sleeps.append)
+    fn = Scripted(["raise", "raise", "raise"])
+    out = call(fn, torch.zeros(1, 3, 2, 2), ["p"], [{}])
+    assert isinstance(out, RewardOutput) and sleeps == [0.5, 1.0, 2.0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SIGTERM / SIGINT
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_sigterm_checkpoints_at_the_end_of_the_iteration_and_exits_0(tmp_path, model_path, capsys):
+    import signal
+
+    from flowcredit.cli.main import main
+
+    handler = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "run"
+    args = ds.overrides(model_path, out, "run.iterations=5", "run.checkpoint_every=10", "reward.name=dist_script:SigtermAtIteration2Reward")
+    assert main(["train", "tiny_flow_grpo", *args]) == 0
+    assert signal.getsignal(signal.SIGTERM) is handler  # handlers restored
+    captured = capsys.readouterr()
+    assert "received SIGTERM: finishing this iteration" in captured.err
+    assert f"stopped by SIGTERM after iteration 2; checkpoint written. Continue with: flowcredit train resume={out}" in captured.out
+    d = out / "checkpoints"
+    assert checkpoint.find_latest(d) == d / "iter000002.pt"  # iteration 2 finished, checkpoint_every not reached
+    assert [r["iteration"] for r in read_metrics(out)] == [1, 2]
+    assert not (out / "eval.json").exists()
+
+    ds.SigtermAtIteration2Reward.calls = 10  # no further signal
+    assert main(["train", f"resume={out}"]) == 0
+    assert [r["iteration"] for r in read_metrics(out)] == [1, 2, 3, 4, 5]
