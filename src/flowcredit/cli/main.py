@@ -1,4 +1,4 @@
-"""`flowcredit` command line: train | eval | sample | prompts | render | pretrain | compare.
+"""`flowcredit` command line: train | eval | sample | prompts | render | pretrain | compare | export | serve-reward.
 
     flowcredit train                                  # the embedded default: tiny model, shapes, Flow-GRPO, CPU
     flowcredit train tiny_stepwise run.iterations=50  # a preset + key=value overrides
@@ -247,6 +247,31 @@ def cmd_compare(ns) -> int:
     return 0
 
 
+def cmd_export(ns) -> int:
+    """A trained checkpoint → diffusers format (LoRA via save_lora_weights, full fine-tunes via save_pretrained),
+    or, for the tiny model, a .safetensors + JSON pair loadable by `--checkpoint`."""
+    try:
+        p = Path(ns.checkpoint)
+        run = p if p.is_dir() else p.parent.parent
+        cfg_path = run / "config.yaml"
+        name = "tiny"
+        if cfg_path.exists():
+            import yaml
+
+            name = (yaml.safe_load(cfg_path.read_text()).get("model") or {}).get("name", "tiny")
+        if name == "tiny":
+            model = load_any_model(ns.checkpoint, "fp32")
+            out = model.save(ns.out, name=ns.name)
+        else:
+            from ..models.export import export_checkpoint
+
+            out = export_checkpoint(ns.checkpoint, ns.out, use_ema=not ns.no_ema, model_path=ns.model_path)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        return _fail(str(e))
+    print(f"exported to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="flowcredit", description="RL fine-tuning of flow-matching text-to-image models with step-level credit assignment.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -293,6 +318,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--n-samples", type=int, default=1)
     r.set_defaults(fn=cmd_render)
+
+    x = sub.add_parser("export", help="export a trained checkpoint (diffusers LoRA / save_pretrained, or tiny .safetensors)")
+    x.add_argument("checkpoint", help="run folder or checkpoints/iterNNNNNN.pt")
+    x.add_argument("out", help="output folder")
+    x.add_argument("--name", default="tiny_rl", help="file stem for tiny-model exports")
+    x.add_argument("--no-ema", action="store_true", help="export the raw weights even if the run kept an EMA")
+    x.add_argument("--model-path", default=None, help="base model folder if it moved since training (real models)")
+    x.set_defaults(fn=cmd_export)
 
     c = sub.add_parser("compare", help="run presets × seeds (or a study YAML) with a shared budget and write a report")
     c.add_argument("study", nargs="+", help="a study YAML / name (flowcredit/studies) or several presets")

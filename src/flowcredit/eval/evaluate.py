@@ -73,7 +73,9 @@ def generate(
     for s in range(0, len(prompts), batch_size):
         chunk = list(prompts[s : s + batch_size])
         noise = line_noise(seed, indices[s : s + batch_size], tuple(model.latent_shape))
-        x0 = sample_ode(model, chunk, steps=steps, guidance_scale=guidance, init_noise=noise, shift=shift)
+        # real models sample on their scheduler's own grid (diffusers parity); the tiny model on the shifted uniform grid
+        grid = model.time_grid(steps) if hasattr(model, "time_grid") else steps
+        x0 = sample_ode(model, chunk, steps=grid, guidance_scale=guidance, init_noise=noise, shift=shift)
         out.append(model.decode(x0))
     return torch.cat(out)
 

@@ -539,7 +539,7 @@ class GRPOTrainer:
         backup = self._swap_in_ema()
         self.model.eval()
         t0 = time.time()
-        s = evaluate(self.model, sub, steps=self.cfg.run.eval_steps, guidance=self.cfg.run.eval_guidance, seed=self.cfg.run.seed + 12345, shift=self.cfg.sampler.shift)
+        s = evaluate(self.model, sub, reward=self.reward_fn, steps=self.cfg.run.eval_steps, guidance=self.cfg.run.eval_guidance, seed=self.cfg.run.seed + 12345, shift=self.cfg.sampler.shift)
         self._swap_back(backup)
         rec = {"iteration": self.iteration, "eval_reward": s["reward_mean"], "eval_strict": s.get("strict_overall"), "eval_seconds": time.time() - t0}
         with open(self.out / "eval_curve.jsonl", "a") as f:
@@ -556,7 +556,7 @@ class GRPOTrainer:
         from ..eval.evaluate import evaluate
 
         rc = self.cfg.run
-        kw = dict(steps=rc.eval_steps, guidance=rc.eval_guidance, seed=rc.seed + 12345, shift=self.cfg.sampler.shift)
+        kw = dict(reward=self.reward_fn, steps=rc.eval_steps, guidance=rc.eval_guidance, seed=rc.seed + 12345, shift=self.cfg.sampler.shift)
         backup = self._swap_in_ema()
         self.model.eval()
         t0 = time.time()
