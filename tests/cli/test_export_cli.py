@@ -11,7 +11,7 @@ def test_export_tiny_run_round_trip(tmp_path):
     run = tmp_path / "run"
     rc = main(["train", f"model.path={tmp_path / 'm.safetensors'}", "model.precision=fp32", "data.prompts_per_iter=2",
                "data.group_size=2", "sampler.num_steps=2", "run.iterations=1", "run.eval_at_end=false", "run.grid_every=0",
-               "optim.lr=1e-2", f"run.out_dir={run}"])
+               "optim.lr=1e-2", "reward.name=imagestats", f"run.out_dir={run}"])  # imagestats: diverse rewards even for a random model
     assert rc == 0
     assert main(["export", str(run), str(tmp_path / "out"), "--name", "rl"]) == 0
     exported = TinyFlowModel.load(tmp_path / "out" / "rl.safetensors")
