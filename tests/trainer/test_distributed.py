@@ -160,7 +160,7 @@ def test_offload_optimizer_is_honoured_and_exact(tmp_path, model_path):
 
 
 def test_offload_reference_is_honoured(tmp_path, model_path):
-    tr = ds.make_trainer(model_path, tmp_path / "ref", "optim.kl_beta=0.1", "optim.offload_reference=true")
+    tr = ds.make_trainer(model_path, tmp_path / "ref", "optim.kl_beta=0.1", "optim.offload_reference=true", "optim.micro_batch=5")
     assert tr.ref_model is not None and tr.ref_offload.enabled
     moves = []
     orig_to = tr.ref_model.to
@@ -174,8 +174,16 @@ def test_offload_reference_is_honoured(tmp_path, model_path):
     assert stats["kl"] >= 0 and stats["pairs_trained"] > 0
     assert moves == [str(tr.device), "cpu"]  # onto the device for the update, parked after it
     assert all(p.device.type == "cpu" for p in tr.ref_model.parameters())
-    off = ds.make_trainer(model_path, tmp_path / "ref_off", "optim.kl_beta=0.1")
-    assert not off.ref_offload.enabled
+    plain = ds.make_trainer(model_path, tmp_path / "ref_off", "optim.kl_beta=0.1", "optim.micro_batch=5")
+    assert not plain.ref_offload.enabled
+    pstats = plain.train_step()
+    # the reference means computed up front (offloaded) give the same KL, loss, NFE and weights as per micro-batch
+    assert stats["nfe_update"] == pstats["nfe_update"]
+    for k in ("kl", "loss", "grad_norm"):
+        assert stats[k] == pytest.approx(pstats[k], rel=1e-5, abs=1e-12), k
+    a, b = _weights(tr), _weights(plain)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)
 
 
 def test_gradient_checkpointing_switch_keeps_the_gradient(tmp_path, model_path):

@@ -94,7 +94,7 @@ def test_nonfinite_gradients_skip_the_optimizer_step(tmp_path, model_path, capsy
     assert all(torch.equal(before[k], v) for k, v in weights(tr).items())
     tr.iteration += 1
     stats = tr.train_step()
-    assert stats.get("skipped_update", 0) == 0 and tr.guard.consecutive == 0 and tr.guard.total == 1
+    assert stats.get("skipped_update", 0) == 0 and tr.nonfinite.consecutive == 0 and tr.nonfinite.total == 1
     assert "non-finite gradients at iteration 1" in capsys.readouterr().err
 
 

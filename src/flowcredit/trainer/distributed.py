@@ -336,7 +336,10 @@ def build_optimizer(params: Sequence[torch.nn.Parameter], offload: bool, **kw):
 
 
 class ReferenceOffload:
-    """Parks the frozen reference copy in CPU memory outside the update phase (``optim.offload_reference``)."""
+    """``optim.offload_reference``: the frozen reference copy (KL with kl_beta > 0, non-LoRA) lives in CPU memory and
+    visits the device once per update, for one no-grad pass that computes the reference step means of every pair to
+    be trained (``step_means``); the rollout, the rewards and the policy's forward/backward never share the device
+    with it. Costs one host↔device copy of the reference weights per iteration."""
 
     def __init__(self, ref_model: torch.nn.Module | None, device: torch.device | str, enabled: bool):
         self.ref, self.device, self.enabled = ref_model, torch.device(device), enabled and ref_model is not None
@@ -353,6 +356,30 @@ class ReferenceOffload:
             self.ref.to("cpu")
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+    @torch.no_grad()
+    def step_means(self, traj, epochs, cond, uncond, params, guidance: float, chunk: int) -> tuple[torch.Tensor, int]:
+        """The reference policy's step means of every pair the update will train, computed in ONE pass with the
+        reference on the device, which is then parked again: the policy's forward/backward passes run without it.
+        Returns ((B, T, *latent) means, filled where trained; the reference NFE spent)."""
+        from ..samplers.policy import nfe_per_sample, policy_velocity
+        from ..samplers.sde import sampler_step
+        from ..types import cond_index
+
+        pairs = sorted({p for chunks in epochs for mine, _ in chunks for p in mine})
+        means = torch.zeros_like(traj.latents[:, :-1])
+        self.load()
+        try:
+            for s in range(0, len(pairs), chunk):
+                bi = torch.tensor([p[0] for p in pairs[s : s + chunk]])
+                ji = torch.tensor([p[1] for p in pairs[s : s + chunk]])
+                x_t, t = traj.latents[bi, ji], traj.timesteps[ji]
+                u = cond_index(uncond, bi) if uncond is not None else None
+                v = policy_velocity(self.ref, x_t, t, cond_index(cond, bi), u, guidance)
+                means[bi, ji] = sampler_step(params, x_t, v, t, traj.timesteps[ji + 1], x_next=traj.latents[bi, ji + 1]).mean
+        finally:
+            self.park()
+        return means, len(pairs) * nfe_per_sample(uncond, guidance)
 
 
 def enable_gradient_checkpointing(model) -> bool:

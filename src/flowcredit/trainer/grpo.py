@@ -159,7 +159,7 @@ class GRPOTrainer:
         self.params = sampler_params(cfg)
         self.credit_state: dict[str, torch.Tensor] = {}
         self.iteration = 0
-        self.guard = NonFiniteGuard(cfg.faults.max_nonfinite, self.dist.is_main)
+        self.nonfinite = NonFiniteGuard(cfg.faults.max_nonfinite, self.dist.is_main)
         self.call_reward = RetryingCall(cfg.faults.reward_retries, cfg.faults.reward_backoff, cfg.faults.reward_timeout)
         self.uncond1 = self.model.encode_prompts([""]) if cfg.sampler.guidance_scale != 1.0 else None
 
@@ -331,7 +331,7 @@ class GRPOTrainer:
             if bad is None:
                 ustats = self.update(traj, adv, cond, uncond)
             else:  # NaN/Inf: skip and count; stops the run after faults.max_nonfinite in a row
-                ustats = {"pairs_trained": 0, "skipped_update": 1, "_nfe": 0, **self.guard.skip(bad, self.iteration + 1)}
+                ustats = {"pairs_trained": 0, "skipped_update": 1, "_nfe": 0, **self.nonfinite.skip(bad, self.iteration + 1)}
         stats.update(ustats)
         stats["nfe_update"] = ustats.pop("_nfe")
         counts = [k for k in ("nfe_rollout", "reward_calls", "nfe_estimates", "nfe_update") if k in stats]
@@ -417,7 +417,10 @@ class GRPOTrainer:
         model.train()
         acc: dict[str, list[float]] = {}
         nfe = nfe_per_sample(uncond, guidance)
-        self.ref_offload.load()  # reference weights on the device for the update only (optim.offload_reference)
+        ref_means = None
+        if oc.kl_beta > 0 and self.ref_offload.enabled:  # optim.offload_reference: one reference pass, then park it
+            ref_means, ref_nfe = self.ref_offload.step_means(traj, epochs, cond, uncond, self.params, guidance, oc.micro_batch)
+            out["_nfe"] += ref_nfe
         for chunks in epochs:
             for mine, n_chunk in chunks:  # this rank's (row, step) pairs of one optimizer step; its global pair count
                 self.opt.zero_grad(set_to_none=True)
@@ -439,7 +442,10 @@ class GRPOTrainer:
                     loss_pg, st = clipped_surrogate(step.log_prob, old_lp, a, oc.clip_range)
                     loss = loss_pg
                     kl = torch.zeros_like(loss_pg)
-                    if oc.kl_beta > 0:
+                    if oc.kl_beta > 0 and ref_means is not None:
+                        kl = gaussian_kl_same_std(step.mean, ref_means[bi, ji], step.kl_std, self.params.reduce)
+                        loss = loss + oc.kl_beta * kl
+                    elif oc.kl_beta > 0:
                         with torch.no_grad(), self._reference() as ref_model:
                             v_ref = policy_velocity(ref_model, x_t, t, c, u, guidance)
                             ref = sampler_step(self.params, x_t, v_ref, t, t_next, x_next=x_next)
@@ -460,16 +466,15 @@ class GRPOTrainer:
                 if nonfinite_loss or not torch.isfinite(gn):  # skip and count; stops after faults.max_nonfinite in a row
                     self.opt.zero_grad(set_to_none=True)
                     out["skipped_update"] = out.get("skipped_update", 0) + 1
-                    out.update(self.guard.skip("loss" if nonfinite_loss else "gradients", self.iteration + 1))
+                    out.update(self.nonfinite.skip("loss" if nonfinite_loss else "gradients", self.iteration + 1))
                     continue
-                self.guard.ok()
+                self.nonfinite.ok()
                 self.opt.step()
                 acc.setdefault("grad_norm", []).append(float(gn))
                 if self.ema is not None:
                     with torch.no_grad():
                         for e, p in zip(self.ema, self.trainable):
                             e.lerp_(p.detach(), 1 - oc.ema_decay)
-        self.ref_offload.park()
         n_total = n_pairs * oc.inner_epochs
         keys = ("loss", "kl", "clipfrac", "approx_kl", "ratio_mean")
         for k, v in zip(keys, self.dist.sum([sum(acc.get(k, [0.0])) for k in keys])):  # Σ over ranks
@@ -590,7 +595,7 @@ class GRPOTrainer:
             "global_torch_rng": torch.get_rng_state(),
             "rng_per_rank": self.dist.gather_object(rng_states()),  # every RNG of every rank (collective)
             "prompt_sampler": self.prompt_sampler.state_dict(),
-            "faults": self.guard.state_dict(),
+            "faults": self.nonfinite.state_dict(),
             "world_size": self.dist.world_size,
         }
 
@@ -617,5 +622,5 @@ class GRPOTrainer:
         if st.get("rng_per_rank"):
             set_rng_states(st["rng_per_rank"][min(self.dist.rank, len(st["rng_per_rank"]) - 1)])
         self.prompt_sampler.load_state_dict(st["prompt_sampler"])
-        self.guard.load_state_dict(st.get("faults", {}))
+        self.nonfinite.load_state_dict(st.get("faults", {}))
         self.iteration = st["iteration"]
