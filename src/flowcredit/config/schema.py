@@ -167,6 +167,11 @@ class RunCfg:
     eval_guidance: float = _h(1.0, "CFG scale of the evaluation.")
     eval_every: int = _h(0, "Also evaluate every N iterations on eval_subset prompts (0 = never).")
     eval_subset: int = _h(96, "Prompts of the periodic evaluation (a fixed, tag-balanced subset of eval_prompts).")
+    gold_reward: Optional[str] = _h(None, "Hacking guard: a held-out 'gold' reward the policy is NOT trained on, scored on gold_prompts every gold_every iterations; null = off.")
+    gold_prompts: str = _h("shapes:test_unique", "Fixed prompts of the gold reward.")
+    gold_every: int = _h(10, "Gold-reward interval in iterations.")
+    gold_limit: int = _h(32, "Number of gold prompts used.")
+    alarm_window: int = _h(5, "Hacking alarm: fires when over the last N gold evaluations the training reward rose while gold (or diversity) fell.")
 
 
 @dataclass

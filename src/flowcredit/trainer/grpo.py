@@ -44,6 +44,7 @@ from ..config.load import dump_yaml
 from ..config.schema import TrainConfig
 from ..credit.base import CreditInput
 from ..credit.registry import assign_credit, needs_instant_rewards, needs_step_rewards
+from ..rewards.guards import GoldMonitor, HackingAlarm, group_diversity
 from ..samplers.estimates import denoise_estimate, trajectory_estimates
 from ..samplers.policy import nfe_per_sample, policy_velocity
 from ..samplers.rollout import rollout
@@ -154,6 +155,10 @@ class GRPOTrainer:
         )
         self.ema = [p.detach().clone() for p in self.trainable] if cfg.optim.ema_decay > 0 else None
         self.prompt_sampler = PromptSampler(self.train_prompts, cfg.run.seed, cfg.data.balance_tags)
+        self.gold, self.alarm = None, None
+        if cfg.run.gold_reward:
+            self.gold = GoldMonitor.from_prompts(build_reward(cfg.run.gold_reward), cfg.run.gold_prompts, every=cfg.run.gold_every, limit=cfg.run.gold_limit)
+            self.alarm = HackingAlarm(window=cfg.run.alarm_window)
         self.gen = torch.Generator(device="cpu").manual_seed(cfg.run.seed)
         self.timesteps = time_grid(cfg.sampler.num_steps, cfg.sampler.shift, cfg.sampler.grid)
         self.params = sampler_params(cfg)
@@ -224,6 +229,7 @@ class GRPOTrainer:
                     self.save_grid(stats.pop("_images"), stats.pop("_prompts"))
                 if cfg.run.eval_every and self.iteration % cfg.run.eval_every == 0:
                     self.periodic_eval()
+                self.guard(stats)
                 if self.iteration % cfg.run.checkpoint_every == 0 or self.iteration == cfg.run.iterations:
                     self.save_checkpoint()
                 if bar is not None:
@@ -286,6 +292,8 @@ class GRPOTrainer:
         stats["reward_calls"] = B
         stats["reward_mean"] = float(rewards.mean())
         stats["reward_std"] = float(rewards.std(unbiased=False))
+        # hacking guard: within-group diversity (mean pairwise RMS pixel distance); collapse = mode collapse
+        stats["diversity"] = float(group_diversity(images, gids).mean())
         for k, v in ro.components.items():
             stats[f"{k}_mean"] = float(self.dist.gather(v.float()).mean())
 
@@ -482,6 +490,30 @@ class GRPOTrainer:
         out["grad_norm"] = float(np.mean(acc.get("grad_norm", [0.0])))
         out["parity_max_abs_dlogp"] = self.dist.max([max(acc.get("parity", [0.0]))])[0]
         return out
+
+    def guard(self, stats: dict[str, Any]) -> None:
+        """Hacking guards (issue G.6): feed the alarm with the training reward and diversity every iteration and the
+        held-out gold reward every `run.gold_every` iterations; a fired alarm is logged (gold.jsonl, stderr)."""
+        if self.gold is None or not self.dist.is_main:
+            return
+        self.alarm.update_train(self.iteration, stats["reward_mean"])
+        self.alarm.update_diversity(self.iteration, stats["diversity"])
+        if not self.gold.due(self.iteration):
+            return
+        from ..eval.evaluate import generate
+
+        rc = self.cfg.run
+        backup = self._swap_in_ema()
+        self.model.eval()
+        rec = self.gold.run(self.iteration, lambda p, m: generate(self.model, p, steps=rc.eval_steps, guidance=rc.eval_guidance, seed=rc.seed + 999, shift=self.cfg.sampler.shift))
+        self._swap_back(backup)
+        self.alarm.update_gold(self.iteration, rec.mean)
+        state = self.alarm.check()
+        line = {"iteration": self.iteration, "gold": rec.mean, "train_reward": stats["reward_mean"], "diversity": stats["diversity"], "alarm": state.fired, "message": state.message}
+        with open(self.out / "gold.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+        if state.fired:
+            print(f"warning: reward-hacking alarm at iteration {self.iteration}: {state.message}", file=sys.stderr)
 
     def _reference(self):
         """Context yielding the reference policy π_ref: a frozen copy of the initial weights, or the model itself
