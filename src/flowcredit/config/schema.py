@@ -136,10 +136,10 @@ class OptimCfg:
     micro_batch: int = _h(64, "(sample, step) pairs per forward/backward; only changes memory, not the gradient.")
     ema_decay: float = _h(0.0, "EMA of trainable weights (0 = off); evaluation uses the EMA weights when on.")
     offload_optimizer: bool = _h(
-        False, "Keep AdamW's fp32 master weights and moments in CPU memory and step there (saves 12 bytes/trainable param on the accelerator; docs/SCALING.md)."
+        False, "Keep AdamW's moments (and an fp32 master copy) in CPU memory and step there: the accelerator keeps only weights + grads (fp32: 8 of 16 bytes/param; docs/SCALING.md)."
     )
     offload_reference: bool = _h(
-        False, "Keep the frozen KL reference copy (kl_beta > 0, non-LoRA) in CPU memory outside the update phase (docs/SCALING.md)."
+        False, "Keep the frozen KL reference copy (kl_beta > 0, non-LoRA) in CPU memory; it visits the device once per update for one no-grad pass (docs/SCALING.md)."
     )
 
     def __post_init__(self):
