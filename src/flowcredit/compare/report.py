@@ -29,29 +29,19 @@ def load_run(d: Path) -> dict[str, Any]:
     sec = np.cumsum([r.get("seconds_total", 0.0) + 0.0 for r in m])
     sec_at = dict(zip(it.tolist(), sec.tolist()))
     final = json.loads((d / "eval.json").read_text()) if (d / "eval.json").exists() else None
-    first_eval = {"iteration": 0.0, "seconds": 0.0}
     out = {
         "iteration": it,
         "seconds": sec,
         "reward": np.array([r["reward_mean"] for r in m]),
         "strict": np.array([r.get("strict_mean", np.nan) for r in m]),
-        "eval_iteration": np.array([first_eval["iteration"]] + [e["iteration"] for e in ev if e["iteration"] > 0], dtype=float),
         "final": final,
         "metrics": m,
     }
-    base = final.get("base") if final else None
-    e_rew = [base["reward_mean"]] if base else [np.nan]
-    e_str = [base.get("strict_overall", np.nan)] if base else [np.nan]
-    for e in ev:
-        if e["iteration"] > 0:
-            e_rew.append(e["eval_reward"])
-            e_str.append(e["eval_strict"] if e["eval_strict"] is not None else np.nan)
-    out["eval_reward"] = np.array(e_rew, dtype=float)
-    out["eval_strict"] = np.array(e_str, dtype=float)
-    out["eval_seconds"] = np.array([0.0] + [sec_at.get(float(e["iteration"]), np.nan) for e in ev if e["iteration"] > 0])
-    if np.isnan(out["eval_reward"][0]):  # no baseline evaluation: curves start at the first periodic evaluation
-        for k in ("eval_reward", "eval_strict", "eval_seconds", "eval_iteration"):
-            out[k] = out[k][1:]
+    # periodic evaluations on the same prompt subset, starting with the initial model at iteration 0
+    out["eval_iteration"] = np.array([e["iteration"] for e in ev], dtype=float)
+    out["eval_reward"] = np.array([e["eval_reward"] for e in ev], dtype=float)
+    out["eval_strict"] = np.array([np.nan if e["eval_strict"] is None else e["eval_strict"] for e in ev], dtype=float)
+    out["eval_seconds"] = np.array([0.0 if e["iteration"] == 0 else sec_at.get(float(e["iteration"]), np.nan) for e in ev])
     return out
 
 

@@ -185,8 +185,8 @@ class GRPOTrainer:
                 print(f"resuming from {ckpt} (iteration {self.iteration})", file=sys.stderr, flush=True)
         self.metrics_f = self.tb = None
         if self.dist.is_main:
-            for log_file in ("metrics.jsonl", "eval_curve.jsonl"):  # a resumed run redoes the later iterations
-                checkpoint.truncate_jsonl(self.out / log_file, self.iteration)
+            for log_file in ("metrics.jsonl", "eval_curve.jsonl", "gold.jsonl"):  # a resumed run redoes later iterations
+                checkpoint.truncate_jsonl(self.out / log_file, self.iteration if ckpt is not None else -1)
             self.metrics_f = open(self.out / "metrics.jsonl", "a")
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -218,6 +218,8 @@ class GRPOTrainer:
             pass
         signals, stopped = StopSignal(cfg.faults.handle_signals), None  # SIGTERM/SIGINT: stop after the iteration
         with signals:
+            if cfg.run.eval_every and self.iteration == 0 and self.dist.is_main:
+                self.periodic_eval()  # the curve starts at the initial model
             while self.iteration < cfg.run.iterations:
                 if self.dist.any(bool(cfg.run.max_minutes) and (time.time() - t_start) > 60 * cfg.run.max_minutes):
                     break
