@@ -106,7 +106,8 @@ def test_kill9_in_every_phase_then_resume_is_bitwise_identical(tmp_path, model_p
     assert records(out / "metrics.jsonl") == records(tmp_path / "straight" / "metrics.jsonl")
     assert [r["iteration"] for r in records(out / "metrics.jsonl")] == list(range(1, ITERS + 1))  # no duplicates
     assert records(out / "eval_curve.jsonl") == records(tmp_path / "straight" / "eval_curve.jsonl")
-    assert [r["iteration"] for r in records(out / "eval_curve.jsonl")] == sorted(EVALS)
+    evals = [r["iteration"] for r in records(out / "eval_curve.jsonl")]
+    assert set(evals) >= EVALS and evals == sorted(set(evals))  # no duplicates
     if any(ph == "checkpoint_manifest" for ph, _ in plan):
         assert seen_fallback  # the .pt without manifest was skipped with a warning
     assert not list((out / "checkpoints").glob("*.tmp"))

@@ -209,7 +209,7 @@ class Shard:
                 )
         return cls(num_groups, group_size, rank, world_size)
 
-    def draw(self, sampler, rng_iteration: int | None = None):
+    def draw(self, sampler):
         """The global draw of the (shared, identically seeded) PromptSampler, cut to this rank's rows.
 
         Returns (prompts, metadata, group_ids) of this rank, group ids GLOBAL (0 … P−1), so they are unique across ranks.
