@@ -55,6 +55,16 @@ class NaNReward(ImageMeanReward):
         return out
 
 
+class NaNOnRank1Reward(ImageMeanReward):
+    """NaN scores on rank 1 only (RANK from the launcher): every rank must still skip, and stop, together."""
+
+    def __call__(self, images, prompts, metadata, **kw):
+        out = super().__call__(images, prompts, metadata)
+        if os.environ.get("RANK") == "1":
+            out.scores[0] = float("nan")
+        return out
+
+
 class SigtermAtIteration2Reward(ImageMeanReward):
     """Sends SIGTERM to its own process during the second reward call (iteration 2 of a flow_grpo run)."""
 
@@ -97,7 +107,8 @@ def make_trainer(model_path, out_dir, *extra: str, reward=image_mean_reward):
     cfg = load_config(TrainConfig, "tiny_flow_grpo", overrides(model_path, out_dir, *extra), preset_dirs=[PRESET_DIR])
     tr = GRPOTrainer(cfg, preset_name="test")
     tr.setup()
-    tr.reward_fn = reward
+    if reward is not None:
+        tr.reward_fn = reward
     return tr
 
 
@@ -105,12 +116,14 @@ def main(argv: list[str]) -> int:
     from flowcredit.trainer.faults import RunStopped
 
     model_path, out_dir, extra = argv[0], Path(argv[1]), argv[2:]
-    tr = make_trainer(model_path, out_dir, *extra)
+    own_reward = any(o.startswith("reward.name=") for o in extra)  # else the test reward image_mean_reward
+    tr = make_trainer(model_path, out_dir, *extra, reward=None if own_reward else image_mean_reward)
     rank = tr.dist.rank
     try:
         tr.train()
     except RunStopped as e:
         print(f"error: {e}", file=sys.stderr)
+        tr.dist.close(barrier=False)
         return 3
     torch.save({k: v.detach().clone() for k, v in tr.model.net.state_dict().items()}, out_dir / f"final_rank{rank}.pt")
     return 0
@@ -118,7 +131,7 @@ def main(argv: list[str]) -> int:
 
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(_ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join([str(_ROOT / "src"), str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["OMP_NUM_THREADS"] = "1"
     env.pop("FLOWCREDIT_FAULT_INJECT", None)
     return env

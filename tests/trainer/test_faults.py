@@ -193,3 +193,25 @@ def test_sigterm_checkpoints_at_the_end_of_the_iteration_and_exits_0(tmp_path, m
     ds.SigtermAtIteration2Reward.calls = 10  # no further signal
     assert main(["train", f"resume={out}"]) == 0
     assert [r["iteration"] for r in read_metrics(out)] == [1, 2, 3, 4, 5]
+
+
+def test_nan_on_one_rank_is_skipped_and_stopped_by_every_rank(tmp_path, model_path):
+    """2 processes, NaN rewards on rank 1 only: the gathered rewards make every rank skip (and then stop) at the same
+    iteration; the run exits non-zero with the one-line error and rank 0's last checkpoint verifies."""
+    import subprocess
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(Path(ds.__file__)),
+           str(model_path), str(out), "run.iterations=3", "run.checkpoint_every=1", "faults.max_nonfinite=2",
+           "reward.name=dist_script:NaNOnRank1Reward"]
+    proc = subprocess.run(cmd, env=ds.child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    log = proc.stdout + proc.stderr
+    assert "ALARM: non-finite rewards at iteration 1: update skipped (1 of 2 in a row, 1 in total)" in log  # rank 0's view
+    assert "error: stopped at iteration 2: 2 consecutive updates skipped for NaN/Inf (last: rewards)" in log
+    d = out / "checkpoints"
+    assert checkpoint.find_latest(d) == d / "iter000001.pt" and not (d / "iter000002.pt").exists()
+    assert [(r["iteration"], r["nonfinite_reason"]) for r in read_metrics(out)] == [(1, "rewards")]
+    init = ds.make_trainer(model_path, tmp_path / "init")  # the skipped iteration left the weights as initialised
+    a, b = weights(init), checkpoint.load(d / "iter000001.pt")["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -79,6 +79,7 @@ def cmd_train(ns) -> int:
         result = trainer.train()
     except RunStopped as e:  # a fault the run cannot survive; the last checkpoint is intact
         print(f"error: {e}", file=sys.stderr)
+        trainer.dist.close(barrier=False)
         return 3
     if result.get("stopped"):
         if main_rank:

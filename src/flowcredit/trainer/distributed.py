@@ -162,13 +162,15 @@ class Dist:
                 bucket, numel = [], 0
         return bool(flags[-1] > 0)
 
-    def close(self) -> None:
-        """Tear the process group down (gloo aborts at interpreter exit otherwise)."""
+    def close(self, barrier: bool = True) -> None:
+        """Tear the process group down (gloo aborts at interpreter exit otherwise). ``barrier=False`` after an error,
+        when the other ranks may never arrive."""
         if self.active:
             import torch.distributed as dist
 
             if dist.is_initialized():
-                self.barrier()
+                if barrier:
+                    self.barrier()
                 dist.destroy_process_group()
 
 
