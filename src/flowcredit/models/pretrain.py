@@ -36,6 +36,8 @@ class PretrainConfig:
     batch_size: int = 64
     lr: float = 6e-4
     warmup: int = 300
+    decay_start: int = 0  # > 0: lr decays linearly from `lr` at this step to `lr_final` at `steps`
+    lr_final: float = 6e-5
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     ema_decay: float = 0.999
@@ -95,7 +97,11 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
     tags = [t for t in TAGS if t in by_tag] or list(by_tag)
 
     def lr_at(s: int) -> float:
-        return cfg.lr * min(1.0, (s + 1) / cfg.warmup)
+        lr = cfg.lr * min(1.0, (s + 1) / cfg.warmup)
+        if cfg.decay_start and s >= cfg.decay_start:
+            frac = min(1.0, (s - cfg.decay_start) / max(1, cfg.steps - cfg.decay_start))
+            lr = cfg.lr + frac * (cfg.lr_final - cfg.lr)
+        return lr
 
     log_f = open(out / "log.jsonl", "a")
     t0 = time.time()
