@@ -54,6 +54,7 @@ class SamplerCfg:
     ddim_coef: Literal["ddim", "mm"] = _h("ddim", "ddim_sde noise coefficient: sqrt(s²−σ²) or the marginal-matching s − σ²/(2s).")
     guidance_scale: float = _h(1.0, "CFG scale used in rollout AND loss (one policy velocity function).")
     timestep_fraction: float = _h(0.99, "Train the first int(T·fraction) steps (Flow-GRPO 0.99 → 9 of 10). Steps with σ=0 are never trained.")
+    ode_untrained: bool = _h(True, "Sample the steps that are never trained (j ≥ int(T·timestep_fraction)) with the ODE, so no exploration noise stays in the final image; false = Flow-GRPO's code (SDE on every step).")
     train_steps_per_sample: int = _h(0, "If > 0, train only this many randomly chosen trainable steps per sample each iteration (a speed lever); 0 = all.")
     shared_noise: Optional[bool] = _h(None, "Share x_T within a group; null = the method's default (stepwise/vgpo: yes, flow_grpo: no).")
 

@@ -75,6 +75,7 @@ def rollout(
     init_noise: Tensor | None = None,
     keep_velocities: bool = True,
     train_fraction: float = 1.0,
+    ode_untrained: bool = False,
     cond: Cond | None = None,
     uncond: Cond | None = None,
     step_noise: Tensor | None = None,
@@ -96,6 +97,8 @@ def rollout(
         init_noise: (B, *latent) optional x^(0) (e.g. from :func:`make_initial_noise` with shared=True).
         keep_velocities: store the (B, T, *latent) CFG velocities (reused by ``estimates``).
         train_fraction: fraction of the leading steps that may be trained, in [0, 1].
+        ode_untrained: sample the steps j ≥ int(T·train_fraction) with the ODE (no exploration noise where nothing
+            is trained).
         cond: optional precomputed Cond with batch B (else ``model.encode_prompts(prompts)``).
         uncond: optional precomputed unconditional Cond with batch B or 1 (else ``encode_prompts([""])`` when CFG).
         step_noise: (B, T, *latent) optional standard-normal noise of every step (then ``generator`` draws none);
@@ -131,11 +134,17 @@ def rollout(
         raise ValueError(f"init_noise must have shape {(batch, *model.latent_shape)}, got {tuple(x.shape)}.")
 
     latents, log_probs, stds, kl_stds, velocities = [x], [], [], [], []
+    n_train = int(num_steps * train_fraction)
+    ode = SamplerParams(name="ode")
     for step in range(num_steps):
         t, t_next = timesteps[step].expand(batch), timesteps[step + 1].expand(batch)
         v = policy_velocity(model, x, t, cond, uncond, guidance_scale)
         noise = None if step_noise is None else step_noise[:, step].to(device)
-        out = sampler_step(sampler, x, v, t, t_next, generator=None if noise is not None else generator, noise=noise)
+        # Steps that are never trained explore nothing: with `ode_untrained` they take the ODE step, so no
+        # exploration noise is left in the final image (on a uniform grid the last step is large, e.g. t 0.25 → 0,
+        # and Flow-GRPO's SDE would add std ≈ 0.2 there; on diffusers' grid that step is tiny, t 0.009 → 0).
+        params = ode if (ode_untrained and step >= n_train) else sampler
+        out = sampler_step(params, x, v, t, t_next, generator=None if noise is not None else generator, noise=noise)
         x = out.x_next
         latents.append(x)
         log_probs.append(out.log_prob)

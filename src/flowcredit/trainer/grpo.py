@@ -280,7 +280,7 @@ class GRPOTrainer:
                 model, prompts, meta, gids, timesteps=self.timesteps, sampler=self.params, guidance_scale=guidance,
                 generator=None, init_noise=init, step_noise=noise,
                 keep_velocities=needs_step_rewards(cfg.credit) or needs_instant_rewards(cfg.credit),
-                train_fraction=cfg.sampler.timestep_fraction, cond=cond, uncond=uncond,
+                train_fraction=cfg.sampler.timestep_fraction, ode_untrained=cfg.sampler.ode_untrained, cond=cond, uncond=uncond,
             )
         T = traj.num_steps
         stats["nfe_rollout"] = B * T * nfe
