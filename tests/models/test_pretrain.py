@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from flowcredit.models.pretrain import PretrainConfig, pretrain, sample_t
+from flowcredit.models.tiny import TinyDiTConfig, TinyFlowModel
 
 
 @pytest.fixture(autouse=True)
@@ -110,3 +111,16 @@ def test_sample_t_range_and_shift():
     assert (t1 > 0).all() and (t1 < 1).all() and (t3 > 0).all() and (t3 < 1).all()
     assert t3.mean() > t1.mean()  # the shift moves mass towards noise (t = 1)
     assert abs(float(t1.mean()) - 0.5) < 0.02
+
+
+def test_init_from_weights_continues_from_them(tmp_path):
+    # lr = 0: one step leaves the weights exactly at the init weights, so the EMA snapshot equals them
+    src = TinyFlowModel(TinyDiTConfig(width=32, depth=1, heads=2))
+    src.save(tmp_path, name="init")
+    out = tmp_path / "run"
+    cfg = PretrainConfig(out_dir=str(out), steps=1, batch_size=2, lr=0.0, bf16=False, threads=1, checkpoint_every=1,
+                         log_every=1, init=str(tmp_path / "init.safetensors"))
+    pretrain(cfg, progress=False)
+    snap = TinyFlowModel.load(out / "ema" / "step000001.safetensors")
+    for a, b in zip(snap.net.state_dict().values(), src.net.state_dict().values()):
+        assert torch.equal(a, b)

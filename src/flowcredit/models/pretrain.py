@@ -49,6 +49,7 @@ class PretrainConfig:
     checkpoint_every: int = 500
     log_every: int = 50
     prompts: str = "shapes:train"
+    init: str = ""  # start (model and EMA) from these tiny-model weights, e.g. the shipped checkpoint; "" = random
     model: dict = field(default_factory=dict)  # TinyDiTConfig overrides
 
 
@@ -74,6 +75,12 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
     torch.manual_seed(cfg.seed)  # the initial weights come from cfg.seed, not from whatever the global RNG holds
     model = TinyFlowModel(model_cfg)
     model.compute_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    if cfg.init:  # continue from given weights (a fresh optimizer); the architecture comes from their JSON
+        init = TinyFlowModel.load(None if cfg.init == "shipped" else cfg.init)
+        model_cfg = init.cfg
+        model = TinyFlowModel(model_cfg)
+        model.net.load_state_dict(init.net.state_dict())
+        model.compute_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     ema = copy.deepcopy(model.net).requires_grad_(False)
     opt = torch.optim.AdamW(model.net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     gen = torch.Generator().manual_seed(cfg.seed)
