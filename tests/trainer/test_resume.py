@@ -45,7 +45,9 @@ def records(path: Path) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------------------
 
 ITERS, CK_EVERY, EVAL_EVERY = 6, 2, 2
-CHAOS = (f"run.iterations={ITERS}", f"run.checkpoint_every={CK_EVERY}", f"run.eval_every={EVAL_EVERY}", "optim.ema_decay=0.5")
+# run.threads pins the thread count on both sides: the in-process run would otherwise inherit whatever an earlier
+# test set (torch.set_num_threads), and fp32 reductions differ bitwise across thread counts.
+CHAOS = (f"run.iterations={ITERS}", f"run.checkpoint_every={CK_EVERY}", f"run.eval_every={EVAL_EVERY}", "optim.ema_decay=0.5", "run.threads=1")
 CHECKPOINTS = {i for i in range(1, ITERS + 1) if i % CK_EVERY == 0 or i == ITERS}
 EVALS = {i for i in range(1, ITERS + 1) if i % EVAL_EVERY == 0}
 
