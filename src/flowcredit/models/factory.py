@@ -59,8 +59,8 @@ def set_trainable(model, trainable: str) -> list[torch.nn.Parameter]:
         for mod in (net.blocks, net.ada_out, net.patch_out):
             mod.requires_grad_(True)
     elif trainable == "lora":
-        raise NotImplementedError(
-            "model.trainable=lora is not implemented for the tiny model (it is for sd3 and flux); use all or blocks"
+        raise ValueError(
+            "model.trainable=lora is supported for sd3 and flux, not for the 3.4 M-parameter tiny model; use all or blocks"
         )
     else:
         raise ValueError(f"model.trainable={trainable!r}; valid: all, blocks, lora")
