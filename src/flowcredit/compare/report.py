@@ -122,15 +122,18 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
 
     # --- time to target -----------------------------------------------------------------------------------------
     lines += ["## Time to target (periodic held-out evaluation)", "",
-              "Mean over the seeds that reached the target (reached/seeds); ratio = arm ÷ baseline (< 1: faster).", "",
-              "| curve | target | arm | iterations | ratio | seconds | ratio |", "|---|---|---|---|---|---|---|"]
+              "Targets are IMPROVEMENTS over the run's own iteration-0 evaluation (same prompts, same noise), so seeds whose "
+              "evaluation noise starts higher or lower compare fairly. Mean over the seeds that reached the target "
+              "(reached/seeds); ratio = arm ÷ baseline (< 1: faster).", "",
+              "| curve | target Δ | arm | iterations | ratio | seconds | ratio |", "|---|---|---|---|---|---|---|"]
     for key, targets in study.targets.items():
         for tgt in targets:
             base_t = None
             rows = []
             for name, rs in runs.items():
-                ti = summarize_times([time_to_target(r["eval_iteration"], r[key], tgt) for r in rs])
-                ts = summarize_times([time_to_target(r["eval_seconds"], r[key], tgt) for r in rs])
+                gain = lambda r: r[key] - r[key][0]  # noqa: E731  (improvement over the initial model)
+                ti = summarize_times([time_to_target(r["eval_iteration"], gain(r), tgt) for r in rs if len(r[key])])
+                ts = summarize_times([time_to_target(r["eval_seconds"], gain(r), tgt) for r in rs if len(r[key])])
                 rows.append((name, ti, ts))
                 if name == baseline:
                     base_t = (ti, ts)

@@ -43,7 +43,7 @@ class Study:
     baseline: Optional[str] = field(default=None, metadata={"help": "Arm the ratios refer to; null = the first arm."})
     targets: dict[str, list[float]] = field(
         default_factory=lambda: {"eval_strict": [], "eval_reward": []},
-        metadata={"help": "Target values per curve for the time-to-target table."},
+        metadata={"help": "Target improvements over the initial model (iteration-0 evaluation) per curve, for the time-to-target table."},
     )
     description: str = field(default="", metadata={"help": "What the study tests (which claim of which paper) and its CPU budget."})
     figure_run: Optional[str] = field(default=None, metadata={"help": "Arm whose final checkpoint draws the Fig. 1 analogue (a stepwise-type arm)."})
