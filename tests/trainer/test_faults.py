@@ -20,18 +20,6 @@ from flowcredit.trainer import checkpoint  # noqa: E402
 from flowcredit.trainer.faults import RetryingCall, RunStopped  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return ds.make_model(tmp_path_factory.mktemp("model"))
-
-
 def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

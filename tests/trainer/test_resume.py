@@ -22,18 +22,6 @@ from flowcredit.trainer import checkpoint  # noqa: E402
 TIMING = ("seconds", "seconds_total", "eval_seconds")  # wall-clock fields: the only ones allowed to differ
 
 
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return ds.make_model(tmp_path_factory.mktemp("model"))
-
-
 def records(path: Path) -> list[dict]:
     if not path.exists():
         return []
