@@ -4,7 +4,7 @@ dependencies (transformers, easyocr) are imported only when a reward is used (ST
 
 | name | what | needs |
 |---|---|---|
-| shapes | shapes-world verifier (GenEval parity) | — |
+| shapes | shapes-world verifier (GenEval parity) | option score: dense (default), strict, correct |
 | imagestats | brightness / contrast / saturation / colorfulness | — |
 | mix | weighted mix of other rewards, optional normalization | the components' needs |
 | pickscore | PickScore (CLIP), flow_grpo's logit_scale·cos/26 | transformers + weights |

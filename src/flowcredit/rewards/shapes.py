@@ -13,15 +13,22 @@ from .base import RewardOutput, to_uint8_hwc
 class ShapesReward:
     """Scores images with the rule-based shapes verifier (`flowcredit.shapes.verifier`).
 
-    `scores` is the dense anti-hacking reward; components `strict` and `correct` (GenEval parity) are 0/1.
+    `scores` is the dense anti-hacking reward by default; components `strict` and `correct` (GenEval parity) are 0/1.
+    Option ``score``: which of the three is the training signal: ``dense`` (default), ``strict`` or ``correct``.
+    The binary ones are GenEval-style rewards as flow_grpo trains with; they make whole groups score the same (all 0
+    or all 1) much more often, which is the regime VGPO's ADAE targets (studies/stagnation.yaml).
     Plain-text prompts (no GenEval metadata) are an error: this reward needs the record of every prompt.
     """
 
     name = "shapes"
+    SCORES = ("dense", "strict", "correct")
 
-    def __init__(self, **kwargs: Any):
+    def __init__(self, score: str = "dense", **kwargs: Any):
         if kwargs:
-            raise ValueError(f"reward 'shapes' takes no options, got {sorted(kwargs)}")
+            raise ValueError(f"reward 'shapes' takes only the option 'score' ({'|'.join(self.SCORES)}), got {sorted(kwargs)}")
+        if score not in self.SCORES:
+            raise ValueError(f"reward.options.score: unknown value '{score}'; use one of {', '.join(self.SCORES)}")
+        self.score = score
 
     def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any) -> RewardOutput:
         from ..shapes.verifier import verify_batch
@@ -34,8 +41,12 @@ class ShapesReward:
                 )
         results = verify_batch(to_uint8_hwc(images).numpy(), list(metadata))
         f = lambda xs: torch.tensor(xs, dtype=torch.float32)  # noqa: E731
+        dense = f([r.reward for r in results])
+        strict = f([float(r.strict) for r in results])
+        correct = f([float(r.correct) for r in results])
+        scores = {"dense": dense, "strict": strict, "correct": correct}[self.score]
         return RewardOutput(
-            scores=f([r.reward for r in results]),
-            components={"strict": f([float(r.strict) for r in results]), "correct": f([float(r.correct) for r in results])},
+            scores=scores,
+            components={"dense": dense, "strict": strict, "correct": correct},
             info={"reasons": [r.reason for r in results], "results": results},
         )
