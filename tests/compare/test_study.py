@@ -40,3 +40,21 @@ def test_study_runs_resumes_and_reports(tmp_path):
     assert (out / "curves.png").exists() and (out / "gain_per_step.png").exists()
     ev = json.loads((run_dir(out, study.runs[1], 0) / "eval.json").read_text())
     assert "delta" in ev
+
+
+def test_every_shipped_study_resolves_to_valid_train_configs():
+    """Each studies/*.yaml loads, and every arm's preset + study overrides + arm overrides is a valid TrainConfig."""
+    from flowcredit.cli.main import PRESET_DIR
+    from flowcredit.compare.study import STUDY_DIR, load_study
+    from flowcredit.config import load_config
+    from flowcredit.config.schema import TrainConfig
+
+    names = sorted(p.stem for p in STUDY_DIR.glob("*.yaml"))
+    assert {"credit", "normalization", "substeps", "sde", "stagnation", "stepwise_budget"} <= set(names)
+    for name in names:
+        study = load_study(name)
+        assert study.runs and study.seeds and study.description, name
+        for r in study.runs:
+            cfg = load_config(TrainConfig, r.preset, [*study.overrides, *r.overrides, f"run.iterations={study.iterations}"],
+                              preset_dirs=[PRESET_DIR])
+            assert cfg.run.iterations == study.iterations, (name, r.name)
