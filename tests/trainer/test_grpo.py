@@ -339,3 +339,9 @@ def test_resume_continues_and_matches_straight_run(tmp_path, model_path):
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed run differs from the straight run"
     ra, rb = read_metrics(out), read_metrics(tmp_path / "straight")
     assert [r["reward_mean"] for r in ra] == [r["reward_mean"] for r in rb]
+
+
+def test_checkpoint_every_zero_saves_only_at_the_end(tmp_path, model_path):
+    tr = make_trainer(tmp_path, model_path, "run.iterations=2", "run.checkpoint_every=0", reward=image_mean_reward)
+    tr.train()
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("*.pt")) == ["iter000002.pt"]
