@@ -38,6 +38,8 @@ def test_study_runs_resumes_and_reports(tmp_path):
     assert "git commit" in text and "flowcredit compare test" in text
     assert "| fg | 1 |" in text and "| sw | 1 |" in text
     assert (out / "curves.png").exists() and (out / "gain_per_step.png").exists()
+    assert "## Credit diagnostics" in text and (out / "diagnostics.png").exists()
+    assert any(line.startswith("| fg | ") and line.count("|") == 3 for line in text.splitlines())  # zero-std column
     ev = json.loads((run_dir(out, study.runs[1], 0) / "eval.json").read_text())
     assert "delta" in ev
 

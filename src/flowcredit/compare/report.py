@@ -174,6 +174,33 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
         lines.append(f"| {name} | {g('seconds_total'):.2f} | {g('nfe_rollout'):.0f} | {g('nfe_estimates'):.0f} | {g('nfe_update'):.0f} | {g('reward_calls'):.0f} | {ph} |")
     lines.append("")
 
+    # --- credit diagnostics: zero-std groups (where group advantages vanish) and ADAE's absolute share ---------
+    diag_keys = [k for k in ("credit/zero_std_group_ratio", "credit/abs_share")
+                 if any(k in x for rs in runs.values() for r in rs for x in r["metrics"])]
+    if diag_keys:
+        for r in (r for rs in runs.values() for r in rs):
+            for k in diag_keys:
+                r[k] = np.array([x.get(k, np.nan) for x in r["metrics"]], dtype=float)
+        fig, axes = plt.subplots(1, len(diag_keys), figsize=(5.5 * len(diag_keys), 4), squeeze=False)
+        for ax, k in zip(axes[0], diag_keys):
+            has = {n: [r for r in rs if np.all(np.isfinite(r[k]))] for n, rs in runs.items()}
+            _band_plot(ax, {n: rs for n, rs in has.items() if rs}, "iteration", k, k.split("/")[-1], max_it)
+        fig.tight_layout()
+        fig.savefig(out / "diagnostics.png", dpi=90)
+        plt.close(fig)
+        lines += ["## Credit diagnostics", "",
+                  "zero_std_group_ratio: fraction of the iteration's groups whose final rewards are all equal (their group-relative "
+                  "advantage is 0); abs_share: share of |advantage| that comes from ADAE's absolute term k·Q (VGPO).", "",
+                  "![diagnostics](diagnostics.png)", "", "| arm | " + " | ".join(f"{k.split('/')[-1]} (mean)" for k in diag_keys) + " |",
+                  "|---" * (len(diag_keys) + 1) + "|"]
+        for name, rs in runs.items():
+            vals = []
+            for k in diag_keys:
+                v = np.concatenate([r[k] for r in rs]) if rs else np.array([np.nan])
+                vals.append("–" if not np.any(np.isfinite(v)) else f"{np.nanmean(v):.3f}")
+            lines.append(f"| {name} | " + " | ".join(vals) + " |")
+        lines.append("")
+
     # --- Fig. 2 analogue: mean |gain| per step; non-monotone ρ ----------------------------------------------------
     gain_runs = {n: [x["credit/gain_abs_mean_per_step"] for r in rs for x in r["metrics"] if "credit/gain_abs_mean_per_step" in x] for n, rs in runs.items()}
     gain_runs = {n: g for n, g in gain_runs.items() if g}
