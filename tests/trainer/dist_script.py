@@ -5,7 +5,9 @@
         tests/trainer/dist_script.py MODEL OUT_DIR [key=value ...]                          # 2 processes (gloo)
 
 The reward is ``image_mean_reward`` (deterministic, distinct per sample). Each rank writes
-``OUT_DIR/final_rank{r}.pt`` with its model weights after training. ``FLOWCREDIT_FAULT_INJECT=phase:iteration`` kills
+``OUT_DIR/final_rank{r}.pt`` with its model weights after training; with ``dist.fsdp=true`` these are the FULL weights
+gathered from the shards before the process group closes, and ``OUT_DIR/shards_rank{r}.pt`` holds the number of
+elements of each tensor this rank stored (its shard). ``FLOWCREDIT_FAULT_INJECT=phase:iteration`` kills
 the process at that point (flowcredit/trainer/faults.py). Exit code: 0 done, 3 stopped by a fault.
 """
 
@@ -119,14 +121,39 @@ def main(argv: list[str]) -> int:
     own_reward = any(o.startswith("reward.name=") for o in extra)  # else the test reward image_mean_reward
     tr = make_trainer(model_path, out_dir, *extra, reward=None if own_reward else image_mean_reward)
     rank = tr.dist.rank
+    gathered: dict[str, torch.Tensor] = {}
+    if tr.dist.fsdp:  # train() closes the process group at its end: gather the full weights just before
+        close = tr.dist.close
+
+        def gather_then_close(barrier: bool = True) -> None:
+            if barrier:
+                gathered.update(full_weights(tr.model.net))
+                torch.save({k: local_numel(v) for k, v in tr.model.net.state_dict().items()}, out_dir / f"shards_rank{rank}.pt")
+            close(barrier)
+
+        tr.dist.close = gather_then_close
     try:
         tr.train()
     except RunStopped as e:
         print(f"error: {e}", file=sys.stderr)
         tr.dist.close(barrier=False)
         return 3
-    torch.save({k: v.detach().clone() for k, v in tr.model.net.state_dict().items()}, out_dir / f"final_rank{rank}.pt")
+    final = gathered or {k: v.detach().clone() for k, v in tr.model.net.state_dict().items()}
+    torch.save(final, out_dir / f"final_rank{rank}.pt")
     return 0
+
+
+def full_weights(net) -> dict[str, torch.Tensor]:
+    """The full weights of a (possibly FSDP-sharded) network on this rank: DTensor shards are all-gathered."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in net.state_dict().items()}
+
+
+def local_numel(t: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return (t.to_local() if isinstance(t, DTensor) else t).numel()
 
 
 def child_env() -> dict[str, str]:

@@ -183,6 +183,23 @@ class DistCfg:
     split_groups: bool = _h(
         False, "Allow a prompt group to span two processes when data.prompts_per_iter is not a multiple of the process count (statistics are global either way)."
     )
+    fsdp: bool = _h(
+        False, "Full fine-tunes on N > 1 processes: shard the trainable network's weights, gradients, AdamW moments and EMA over the processes with PyTorch FSDP2 (per transformer block, then the whole network); same arithmetic as without. One process: ignored with a warning. Not with LoRA (docs/SCALING.md)."
+    )
+
+    def check(self, model: ModelCfg, optim: OptimCfg) -> None:
+        """Cross-section checks of ``fsdp`` (called by TrainConfig)."""
+        if not self.fsdp:
+            return
+        if model.trainable == "lora":
+            raise ValueError(
+                "dist.fsdp=true does not support model.trainable=lora; LoRA adapters are small, so use plain data parallel "
+                "(dist.fsdp=false), or model.trainable=all for a sharded full fine-tune"
+            )
+        if optim.offload_optimizer:
+            raise ValueError(
+                "dist.fsdp=true already shards AdamW's moments over the processes; set optim.offload_optimizer=false"
+            )
 
 
 @dataclass
@@ -218,6 +235,7 @@ class TrainConfig:
         # The method picks the credit estimator unless the user composes one by hand (method=custom).
         if self.method != "custom":
             self.credit.name = self.method
+        self.dist.check(self.model, self.optim)
         if self.run.eval_every and self.run.eval_subset < 1:
             raise ValueError(f"run.eval_subset must be >= 1 when run.eval_every > 0, got {self.run.eval_subset}")
 

@@ -11,6 +11,11 @@ file's size and sha256. The write order makes every crash point safe:
 ``find_latest`` walks from the newest checkpoint down and returns the first that verifies; a truncated or corrupt
 one (size or checksum differs from the manifest, unreadable manifest, no manifest) is skipped with a warning. A run
 folder written before manifests existed (no .json at all) is accepted unverified, with a warning.
+
+Checkpoints do not depend on the layout. Under FSDP (``dist.fsdp``) the model, optimizer and EMA states are gathered
+to full tensors on rank 0 (``model_state``, ``optimizer_state``, ``full_tensors``), in the same layout as an unsharded
+run, and sharded again on load (``load_model_state``, ``load_optimizer_state``, ``shard_like``), so a checkpoint moves
+between FSDP and plain runs.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -195,3 +200,100 @@ def set_rng_states(st: dict[str, Any]) -> None:
             torch.cuda.set_rng_state_all(st["cuda"])
         except (RuntimeError, IndexError):  # a different GPU count: keep the fresh CUDA states
             pass
+
+
+# ------------------------------------------------------------------------------------------ FSDP: full state dicts
+def _is_fsdp(module: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def _full_options():
+    # torch.distributed.checkpoint.state_dict: full_state_dict gathers DTensor shards to full tensors; with cpu_offload
+    # only rank 0 receives them (the others get {}), so no other rank holds a full copy in memory.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def model_state(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``net.state_dict()``; for an FSDP-sharded network the full state dict on rank 0 (CPU tensors, same keys) and
+    {} on the other ranks. Collective under FSDP: every rank calls it."""
+    if not _is_fsdp(net):
+        return net.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(net, options=_full_options())
+
+
+def load_model_state(net: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a full state dict (from any layout) into ``net``; an FSDP-sharded network keeps its rank's shard of each
+    tensor. Every rank passes the full dict (every rank reads the checkpoint)."""
+    if not _is_fsdp(net):
+        net.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(net, state, options=StateDictOptions(full_state_dict=True))
+
+
+def optimizer_state(net: torch.nn.Module, opt, names: Sequence[str]) -> dict[str, Any]:
+    """``opt.state_dict()``; under FSDP the full optimizer state on rank 0 ({} elsewhere), converted from the
+    parameter-name keys of ``get_optimizer_state_dict`` to the plain layout (keys = indices into ``names``, the
+    optimizer's parameter order), so an FSDP checkpoint resumes unsharded and vice versa. Collective under FSDP."""
+    if not _is_fsdp(net):
+        return opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(net, opt, options=_full_options())
+    if not osd:
+        return {}
+    index = {n: i for i, n in enumerate(names)}
+    return {
+        "state": {index[k]: v for k, v in osd["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]],
+    }
+
+
+def load_optimizer_state(net: torch.nn.Module, opt, names: Sequence[str], state: dict[str, Any]) -> None:
+    """Load a plain-layout optimizer state dict (from any layout); under FSDP each rank keeps its shard."""
+    if not _is_fsdp(net):
+        opt.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    osd = {
+        "state": {names[int(i)]: v for i, v in state["state"].items()},
+        "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in state["param_groups"]],
+    }
+    set_optimizer_state_dict(net, opt, osd, options=StateDictOptions(full_state_dict=True))
+
+
+def full_tensors(tensors: Sequence[torch.Tensor], keep: bool) -> list[torch.Tensor] | None:
+    """Full CPU copies of ``tensors`` (e.g. the EMA weights): a DTensor shard is all-gathered (collective, one tensor
+    at a time, so a rank never holds more than one full tensor on the device). ``keep``: this rank keeps the copies
+    (rank 0); elsewhere returns None."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for t in tensors:
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if keep:
+            out.append(full.detach().to("cpu", copy=True))
+    return out if keep else None
+
+
+def shard_like(tensors: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Full tensors (each the shape of the full parameter) placed like ``params``: a DTensor parameter gets this
+    rank's shard (sliced locally: every rank holds the full tensor, so ``src_data_rank=None`` skips communication),
+    a plain one the tensor on its device."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    out = []
+    for t, p in zip(tensors, params):
+        if isinstance(p, DTensor):
+            out.append(distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements, src_data_rank=None))
+        else:
+            out.append(t.to(p.device))
+    return out

@@ -53,7 +53,9 @@ from ..samplers.sde import SamplerParams, gaussian_kl_same_std, sampler_step
 from ..types import Trajectory, cond_index, cond_repeat
 from . import checkpoint
 from .checkpoint import rng_states, set_rng_states
-from .distributed import Dist, ReferenceOffload, Shard, build_optimizer, enable_gradient_checkpointing, layout_noise, plan_update
+from .distributed import (
+    Dist, ReferenceOffload, Shard, apply_fsdp, build_optimizer, clip_grad_norm, enable_gradient_checkpointing, layout_noise, plan_update,
+)
 from .faults import NonFiniteGuard, RetryingCall, StopSignal, first_nonfinite, inject_point
 from .objectives import clipped_surrogate
 
@@ -146,6 +148,13 @@ class GRPOTrainer:
         self.ref_offload = ReferenceOffload(self.ref_model, self.device, cfg.optim.offload_reference)
         if cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
+        if cfg.dist.fsdp:  # shard the network (and the reference copy unless it is offloaded) over the processes
+            try:
+                sharded = apply_fsdp(self.dist, self.model, None if self.ref_offload.enabled else self.ref_model,
+                                     groups_per_rank_even=cfg.data.prompts_per_iter % self.dist.world_size == 0)
+            except ValueError as e:
+                raise TrainingError(str(e)) from None
+            self.trainable = sharded if sharded is not None else self.trainable
         self.initial_state = None
         if cfg.run.eval_baseline and cfg.run.eval_at_end:
             self.initial_state = {k: v.detach().clone() for k, v in self.model.net.state_dict().items()}
@@ -218,7 +227,7 @@ class GRPOTrainer:
             pass
         signals, stopped = StopSignal(cfg.faults.handle_signals), None  # SIGTERM/SIGINT: stop after the iteration
         with signals:
-            if cfg.run.eval_every and self.iteration == 0 and self.dist.is_main:
+            if cfg.run.eval_every and self.iteration == 0 and self.dist.evaluates:
                 self.periodic_eval()  # the curve starts at the initial model
             while self.iteration < cfg.run.iterations:
                 if self.dist.any(bool(cfg.run.max_minutes) and (time.time() - t_start) > 60 * cfg.run.max_minutes):
@@ -246,7 +255,7 @@ class GRPOTrainer:
         result: dict[str, Any] = {"iterations": self.iteration, "train_seconds": time.time() - t_start}
         if stopped:
             result["stopped"] = stopped
-        elif cfg.run.eval_at_end and self.dist.is_main:
+        elif cfg.run.eval_at_end and self.dist.evaluates:
             result["eval"] = self.final_eval()
         if self.metrics_f is not None:
             self.metrics_f.close()
@@ -435,8 +444,12 @@ class GRPOTrainer:
             for mine, n_chunk in chunks:  # this rank's (row, step) pairs of one optimizer step; its global pair count
                 self.opt.zero_grad(set_to_none=True)
                 nonfinite_loss = False
-                for s in range(0, len(mine), oc.micro_batch):
+                n_mb = self.dist.micro_batches(len(mine), oc.micro_batch)  # FSDP: the max over ranks
+                for s in range(0, n_mb * oc.micro_batch, oc.micro_batch):
                     mb = mine[s : s + oc.micro_batch]
+                    pad = not mb  # FSDP only: this rank is out of pairs; a zero-weight pass joins the others' collectives
+                    if pad:
+                        mb = [(0, int(traj.step_mask.nonzero()[0]))]
                     bi = torch.tensor([p[0] for p in mb])
                     ji = torch.tensor([p[1] for p in mb])
                     x_t = traj.latents[bi, ji]
@@ -461,8 +474,11 @@ class GRPOTrainer:
                             ref = sampler_step(self.params, x_t, v_ref, t, t_next, x_next=x_next)
                         kl = gaussian_kl_same_std(step.mean, ref.mean, step.kl_std, self.params.reduce)
                         loss = loss + oc.kl_beta * kl
-                        out["_nfe"] += len(mb) * nfe
+                        out["_nfe"] += 0 if pad else len(mb) * nfe
                     mb_loss = loss.sum() / n_chunk
+                    if pad:
+                        (mb_loss * 0.0).backward()
+                        continue
                     nonfinite_loss |= not bool(torch.isfinite(mb_loss))
                     mb_loss.backward()
                     out["_nfe"] += len(mb) * nfe * 2  # forward + backward ≈ counted as 2 NFE-equivalents
@@ -472,7 +488,7 @@ class GRPOTrainer:
                     acc.setdefault("loss", []).append(float(loss.detach().sum()))
                     acc.setdefault("parity", []).append(float((step.log_prob.detach() - rollout_lp).abs().max()))
                 nonfinite_loss = self.dist.sync_grads(self.trainable, nonfinite_loss)  # Σ over ranks
-                gn = torch.nn.utils.clip_grad_norm_(self.trainable, oc.grad_clip)
+                gn = clip_grad_norm(self.trainable, oc.grad_clip)  # the global norm, also of FSDP shards
                 if nonfinite_loss or not torch.isfinite(gn):  # skip and count; stops after faults.max_nonfinite in a row
                     self.opt.zero_grad(set_to_none=True)
                     out["skipped_update"] = out.get("skipped_update", 0) + 1
@@ -496,7 +512,7 @@ class GRPOTrainer:
     def guard(self, stats: dict[str, Any]) -> None:
         """Hacking guards (issue G.6): feed the alarm with the training reward and diversity every iteration and the
         held-out gold reward every `run.gold_every` iterations; a fired alarm is logged (gold.jsonl, stderr)."""
-        if self.gold is None or not self.dist.is_main:
+        if self.gold is None or not self.dist.evaluates:
             return
         self.alarm.update_train(self.iteration, stats["reward_mean"])
         self.alarm.update_diversity(self.iteration, stats["diversity"])
@@ -511,6 +527,8 @@ class GRPOTrainer:
         self._swap_back(backup)
         self.alarm.update_gold(self.iteration, rec.mean)
         state = self.alarm.check()
+        if not self.dist.is_main:  # FSDP: the other ranks only joined the sharded forwards
+            return
         line = {"iteration": self.iteration, "gold": rec.mean, "train_reward": stats["reward_mean"], "diversity": stats["diversity"], "alarm": state.fired, "message": state.message}
         with open(self.out / "gold.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
@@ -572,7 +590,7 @@ class GRPOTrainer:
     def periodic_eval(self) -> None:
         from ..eval.evaluate import evaluate, tag_balanced_subset
 
-        if not self.dist.is_main:
+        if not self.dist.evaluates:  # rank 0; under FSDP every rank (the forwards are collectives), rank 0 writes
             return
         sub = tag_balanced_subset(self.eval_prompts, self.cfg.run.eval_subset)
         backup = self._swap_in_ema()
@@ -581,8 +599,9 @@ class GRPOTrainer:
         s = evaluate(self.model, sub, reward=self.reward_fn, steps=self.cfg.run.eval_steps, guidance=self.cfg.run.eval_guidance, seed=self.cfg.run.seed + 12345, shift=self.cfg.sampler.shift)
         self._swap_back(backup)
         rec = {"iteration": self.iteration, "eval_reward": s["reward_mean"], "eval_strict": s.get("strict_overall"), "eval_seconds": time.time() - t0}
-        with open(self.out / "eval_curve.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        if self.dist.is_main:
+            with open(self.out / "eval_curve.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
         inject_point("eval", self.iteration)
         if self.tb is not None:
             self.tb.add_scalar("eval/reward", s["reward_mean"], self.iteration)
@@ -599,13 +618,14 @@ class GRPOTrainer:
         backup = self._swap_in_ema()
         self.model.eval()
         t0 = time.time()
-        trained = evaluate(self.model, self.eval_prompts, out_dir=self.out / "eval", write_samples=False, **kw)
+        main = self.dist.is_main  # under FSDP every rank evaluates (collective forwards); rank 0 writes
+        trained = evaluate(self.model, self.eval_prompts, out_dir=self.out / "eval" if main else None, write_samples=False, **kw)
         self._swap_back(backup)
         result: dict[str, Any] = {"trained": trained, "eval_seconds": time.time() - t0}
         if self.initial_state is not None:
             current = {k: v.detach().clone() for k, v in self.model.net.state_dict().items()}
             self.model.net.load_state_dict(self.initial_state)
-            base = evaluate(self.model, self.eval_prompts, out_dir=self.out / "eval_base", write_samples=False, **kw)
+            base = evaluate(self.model, self.eval_prompts, out_dir=self.out / "eval_base" if main else None, write_samples=False, **kw)
             self.model.net.load_state_dict(current)
             result["base"] = base
             result["delta"] = {
@@ -613,16 +633,18 @@ class GRPOTrainer:
                 **({"strict_overall": trained["strict_overall"] - base["strict_overall"],
                     "correct_overall": trained["correct_overall"] - base["correct_overall"]} if "strict_overall" in base else {}),
             }
-        (self.out / "eval.json").write_text(json.dumps(result, indent=2))
+        if main:
+            (self.out / "eval.json").write_text(json.dumps(result, indent=2))
         return result
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def checkpoint_state(self) -> dict[str, Any]:
         return {
             "iteration": self.iteration,
-            "model": self.model.net.state_dict(),
-            "optimizer": self.opt.state_dict(),
-            "ema": dict(zip(self.trainable_names, self.ema)) if self.ema is not None else None,
+            # under FSDP gathered to full tensors on rank 0 (collectives), the layout of an unsharded run
+            "model": checkpoint.model_state(self.model.net),
+            "optimizer": checkpoint.optimizer_state(self.model.net, self.opt, self.trainable_names),
+            "ema": self._ema_state(),
             "model_config": dataclasses.asdict(self.model.cfg),
             "credit_state": self.credit_state,
             "torch_rng": self.gen.get_state(),
@@ -632,6 +654,15 @@ class GRPOTrainer:
             "faults": self.nonfinite.state_dict(),
             "world_size": self.dist.world_size,
         }
+
+    def _ema_state(self) -> dict[str, torch.Tensor] | None:
+        """The EMA weights by parameter name; under FSDP (EMA sharded like the weights) gathered to rank 0."""
+        if self.ema is None:
+            return None
+        if not self.dist.fsdp:
+            return dict(zip(self.trainable_names, self.ema))
+        full = checkpoint.full_tensors(self.ema, keep=self.dist.is_main)
+        return dict(zip(self.trainable_names, full)) if full is not None else None
 
     def save_checkpoint(self) -> Path:
         """Rank 0 writes every state atomically with a manifest and sha256 (`checkpoint.save`); keeps the two newest."""
@@ -647,9 +678,12 @@ class GRPOTrainer:
 
     def load_checkpoint(self, path: Path) -> None:
         st = checkpoint.load(path)
-        self.model.net.load_state_dict(st["model"])
-        self.opt.load_state_dict(st["optimizer"])
-        self.ema = [st["ema"][n].to(self.device) for n in self.trainable_names] if st["ema"] is not None else None
+        checkpoint.load_model_state(self.model.net, st["model"])  # FSDP: each rank keeps its shard
+        checkpoint.load_optimizer_state(self.model.net, self.opt, self.trainable_names, st["optimizer"])
+        if st["ema"] is not None and self.dist.fsdp:  # the EMA is sharded like the weights
+            self.ema = checkpoint.shard_like([st["ema"][n] for n in self.trainable_names], self.trainable)
+        else:
+            self.ema = [st["ema"][n].to(self.device) for n in self.trainable_names] if st["ema"] is not None else None
         self.credit_state = st["credit_state"]
         self.gen.set_state(st["torch_rng"])
         torch.set_rng_state(st["global_torch_rng"])
