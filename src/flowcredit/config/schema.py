@@ -160,7 +160,7 @@ class RunCfg:
     device: str = _h("cpu", "Device for the tiny model (real models: accelerate decides).")
     log_every: int = _h(1, "Write metrics every N iterations.")
     grid_every: int = _h(25, "Save a sample grid every N iterations (0 = never).")
-    checkpoint_every: int = _h(50, "Checkpoint every N iterations (and at the end).")
+    checkpoint_every: int = _h(50, "Checkpoint every N iterations and at the end (0 = only at the end).")
     eval_at_end: bool = _h(True, "Evaluate on eval_prompts at the end (same code path as `flowcredit eval`) → eval.json.")
     eval_baseline: bool = _h(True, "Also evaluate the initial model with the same noise, so eval.json holds the improvement.")
     eval_prompts: str = _h("shapes:test", "Held-out prompts for the final evaluation.")

@@ -241,7 +241,7 @@ class GRPOTrainer:
                 if cfg.run.eval_every and self.iteration % cfg.run.eval_every == 0:
                     self.periodic_eval()
                 self.guard(stats)
-                if self.iteration % cfg.run.checkpoint_every == 0 or self.iteration == cfg.run.iterations:
+                if (cfg.run.checkpoint_every and self.iteration % cfg.run.checkpoint_every == 0) or self.iteration == cfg.run.iterations:
                     self.save_checkpoint()
                 if bar is not None:
                     bar.update(1)
