@@ -1,4 +1,5 @@
-"""Shared test fixtures: a fixed global seed, the tiny ToyFlowModel and a CPU generator."""
+"""Shared test fixtures: a fixed global seed, the thread count restored after each test, the tiny ToyFlowModel and
+a CPU generator."""
 
 from __future__ import annotations
 
@@ -23,6 +24,14 @@ def _seed_everything():
     """Fixed global seed for every test (torchtune style)."""
     torch.manual_seed(16)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """Runs call torch.set_num_threads(run.threads); restore the count so later tests see the default."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture

@@ -24,13 +24,6 @@ TINY = ["model.precision=fp32", "sampler.num_steps=2", "data.prompts_per_iter=2"
         "run.threads=1", "run.eval_prompts=shapes:test_unique", "run.eval_steps=2", "run.grid_every=0"]
 
 
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     torch.manual_seed(0)

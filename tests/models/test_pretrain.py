@@ -1,4 +1,5 @@
-"""Pretraining of the tiny model: run folder contents, resumption and bit-exact determinism of resume."""
+"""Pretraining of the tiny model: run folder contents, resumption and bit-exact determinism of resume, the time
+limit, rendering in worker processes, devices and bad settings."""
 
 from __future__ import annotations
 
@@ -8,15 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flowcredit.models.pretrain import PretrainConfig, pretrain, sample_t
+from flowcredit.cli.main import main
+from flowcredit.models.pretrain import PretrainConfig, pretrain, resolve_device, sample_t
 from flowcredit.models.tiny import TinyDiTConfig, TinyFlowModel
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
 
 
 def _cfg(out, steps):
@@ -35,7 +30,7 @@ def runs(tmp_path_factory):
     """A 3-step run resumed to 5 steps, and a straight 5-step run."""
     base = tmp_path_factory.mktemp("pretrain")
     resumed, straight = base / "resumed", base / "straight"
-    # The same global seed before both runs: the initial weights come from the global RNG (see the xfail below).
+    # The initial weights come from cfg.seed (test_seed_determines_initial_weights), whatever the global RNG holds.
     torch.manual_seed(0)
     pretrain(_cfg(resumed, 3), progress=False)
     after3 = {"log": _log(resumed), "state": torch.load(resumed / "state.pt", weights_only=False)}
@@ -124,3 +119,70 @@ def test_init_from_weights_continues_from_them(tmp_path):
     snap = TinyFlowModel.load(out / "ema" / "step000001.safetensors")
     for a, b in zip(snap.net.state_dict().values(), src.net.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_max_minutes_checkpoints_and_resume_finishes_identically(tmp_path, capsys):
+    # a limit that is already spent after the first step: stop at step 1 with a checkpoint, then resume to the end
+    cfg = _cfg(tmp_path / "limited", 3)
+    cfg.max_minutes = 1e-9
+    pretrain(cfg, progress=False)
+    assert "stopped at step 1 of 3" in capsys.readouterr().out
+    st = torch.load(tmp_path / "limited" / "state.pt", weights_only=False)
+    assert st["step"] == 1 and (tmp_path / "limited" / "ema" / "step000001.safetensors").exists()
+    cfg.max_minutes = 0.0
+    pretrain(cfg, progress=False)
+    pretrain(_cfg(tmp_path / "straight", 3), progress=False)
+    a = torch.load(tmp_path / "limited" / "state.pt", weights_only=False)["model"]
+    b = torch.load(tmp_path / "straight" / "state.pt", weights_only=False)["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_worker_processes_render_the_batches(tmp_path):
+    cfg = _cfg(tmp_path / "w", 3)
+    cfg.workers = 1
+    pretrain(cfg, progress=False)
+    log = _log(tmp_path / "w")
+    assert [r["step"] for r in log] == [1, 2, 3] and all(r["loss"] > 0 for r in log)
+    # a different data stream from the in-process one (own generator), still a valid run that can be resumed
+    pretrain(_cfg(tmp_path / "p", 3), progress=False)
+    assert [r["loss"] for r in log] != [r["loss"] for r in _log(tmp_path / "p")]
+    cfg.steps = 4
+    pretrain(cfg, progress=False)
+    assert torch.load(tmp_path / "w" / "state.pt", weights_only=False)["step"] == 4
+
+
+def test_resolve_device():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device: 'cuda'.*CUDA is not available"):
+            resolve_device("cuda")
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--workers", "-1"], ["workers: must be >= 0"]),
+        (["--steps", "0"], ["steps: must be >= 1"]),
+        (["--init", "no/such/model.safetensors"], ["init: 'no/such/model.safetensors' not found", "'shipped'"]),
+        (["--max_minutes", "-2"], ["max_minutes: must be >= 0"]),
+    ],
+)
+def test_cli_bad_settings_one_line_and_nothing_written(tmp_path, capsys, args, fragments):
+    out = tmp_path / "run"
+    assert main(["pretrain", "--out_dir", str(out), *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+    assert not out.exists()
+
+
+def test_cli_help_documents_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in PretrainConfig.__dataclass_fields__:
+        if flag != "model":
+            assert f"--{flag}" in text
+    assert "rerun the same command to continue" in text and "bit-exact resume" in text

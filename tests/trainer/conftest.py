@@ -4,19 +4,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # dist_script, the subprocess entry point of these tests
 
 import dist_script as ds  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    """Runs call torch.set_num_threads(run.threads); restore the count so later tests see the default."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,6 @@ B = P * G
 T_TRAINED = int(T * 0.99)  # the preset's timestep_fraction 0.99 trains the first 2 of 3 steps
 
 
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     """A random width-32 tiny model; the zero-initialised adaLN / output layers are perturbed so that every

@@ -208,7 +208,7 @@ def cmd_render(ns) -> int:
 
 
 def cmd_pretrain(ns) -> int:
-    from ..models.pretrain import PretrainConfig, pretrain
+    from ..models.pretrain import PretrainConfig, pretrain, validate
 
     kw = {k: v for k, v in vars(ns).items() if k in PretrainConfig.__dataclass_fields__ and v is not None}
     model = {}
@@ -216,7 +216,12 @@ def cmd_pretrain(ns) -> int:
         model["width"] = ns.width
     if ns.depth:
         model["depth"] = ns.depth
-    pretrain(PretrainConfig(**kw, model=model))
+    cfg = PretrainConfig(**kw, model=model)
+    try:
+        validate(cfg)
+    except (FileNotFoundError, ValueError) as e:
+        return _fail(str(e))
+    pretrain(cfg)
     return 0
 
 
@@ -340,18 +345,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
     c.set_defaults(fn=cmd_compare)
 
-    from ..models.pretrain import PretrainConfig
+    from ..models.pretrain import PRETRAIN_HELP, PretrainConfig
 
     pt = sub.add_parser("pretrain", help="flow-matching pretraining of the tiny model (resumable)")
     for name, f in PretrainConfig.__dataclass_fields__.items():
         if name == "model":
             continue
+        hlp = f"{PRETRAIN_HELP[name]} (default: {f.default!r})"
         if isinstance(f.default, bool):
-            pt.add_argument(f"--{name}", type=lambda v: v.lower() in ("1", "true", "yes"), default=None)
+            pt.add_argument(f"--{name}", type=lambda v: v.lower() in ("1", "true", "yes"), default=None, help=hlp)
         else:
-            pt.add_argument(f"--{name}", type=type(f.default), default=None)
-    pt.add_argument("--width", type=int, default=None)
-    pt.add_argument("--depth", type=int, default=None)
+            pt.add_argument(f"--{name}", type=type(f.default), default=None, help=hlp)
+    pt.add_argument("--width", type=int, default=None, help="model width of a fresh model (default: TinyDiTConfig's)")
+    pt.add_argument("--depth", type=int, default=None, help="number of DiT blocks of a fresh model")
     pt.set_defaults(fn=cmd_pretrain)
     return ap
 

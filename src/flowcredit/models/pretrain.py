@@ -5,7 +5,14 @@ t ~ logit-normal(0, 1) followed by the SD3 shift (CALIBRATION.md: shift 3), prom
 Data: an endless stream of fresh layouts of the train-split prompts (tags sampled uniformly, so the 4
 single-object prompts are not drowned by the 640 color_attr ones), rendered on the fly (≈ 0.3 ms/image).
 The run is seeded and resumable: `state.pt` holds weights, EMA, optimizer, step and every RNG; it is written
-atomically (temp file + rename) every `checkpoint_every` steps. The EMA weights are what we evaluate and ship.
+atomically (temp file + rename) every `checkpoint_every` steps and when `max_minutes` runs out. The EMA weights are
+what we evaluate and ship.
+
+Devices: `device=auto` trains on CUDA when present, else on the CPU (same code; bf16 autocast on both). On an
+accelerator the CPU renderer is the bottleneck, so `workers > 0` renders batches in that many DataLoader processes.
+With `workers = 0` (the default) the data stream comes from one seeded generator and resume is bit-exact; with
+workers each process draws from its own generator seeded by (seed, tag, start step, worker id), so a resumed run is
+reproducible but not identical to an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -50,7 +57,36 @@ class PretrainConfig:
     log_every: int = 50
     prompts: str = "shapes:train"
     init: str = ""  # start (model and EMA) from these tiny-model weights, e.g. the shipped checkpoint; "" = random
+    device: str = "auto"
+    workers: int = 0
+    max_minutes: float = 0.0
     model: dict = field(default_factory=dict)  # TinyDiTConfig overrides
+
+
+PRETRAIN_HELP: dict[str, str] = {
+    "out_dir": "run folder (state.pt, log.jsonl, ema/step*.safetensors); an existing one is resumed",
+    "steps": "total optimizer steps of the run (the learning-rate schedule ends here)",
+    "batch_size": "images per step",
+    "lr": "peak AdamW learning rate",
+    "warmup": "linear warm-up steps",
+    "decay_start": "> 0: decay the lr linearly from this step to lr_final at `steps`; 0: constant after warm-up",
+    "lr_final": "learning rate at the last step when decay_start > 0",
+    "weight_decay": "AdamW weight decay",
+    "grad_clip": "clip the global gradient norm to this value",
+    "ema_decay": "EMA decay of the weights that are snapshotted and shipped",
+    "prompt_dropout": "probability of replacing a prompt by '' (trains the unconditional branch for CFG)",
+    "time_shift": "SD3 resolution shift of the logit-normal t density (3 early, 1 later; see the shipped JSON)",
+    "seed": "seed of the initial weights, the layouts, the noise and t",
+    "bf16": "bf16 autocast for the forward/backward (weights and optimizer stay fp32)",
+    "threads": "torch CPU threads",
+    "checkpoint_every": "write state.pt and an EMA snapshot every N steps",
+    "log_every": "append the mean loss to log.jsonl every N steps",
+    "prompts": "training prompts: shapes:train or a GenEval-style metadata .jsonl",
+    "init": "start from these tiny-model weights ('shipped' = the packaged model); '' = random init",
+    "device": "auto (CUDA if available, else CPU) | cpu | cuda | cuda:N",
+    "workers": "render batches in N DataLoader processes (for accelerators; 0 = in-process, bit-exact resume)",
+    "max_minutes": "> 0: checkpoint and stop after this many minutes of training; rerun the same command to continue",
+}
 
 
 def sample_t(n: int, shift: float, gen: torch.Generator) -> torch.Tensor:
@@ -65,8 +101,75 @@ def _atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def resolve_device(name: str) -> torch.device:
+    """'auto' → cuda when available, else cpu; anything else is passed to torch.device (clear error if unusable)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: '{name}' asked for but CUDA is not available here; use device=cpu or device=auto")
+    return dev
+
+
+def _group_by_tag(metadata: list[dict]) -> tuple[dict[str, list[int]], list[str]]:
+    by_tag: dict[str, list[int]] = {}
+    for i, m in enumerate(metadata):
+        by_tag.setdefault(m.get("tag", "plain"), []).append(i)
+    return by_tag, [t for t in TAGS if t in by_tag] or list(by_tag)
+
+
+def make_batch(data, by_tag: dict[str, list[int]], tags: list[str], batch_size: int, prompt_dropout: float,
+               rng: np.random.Generator) -> tuple[np.ndarray, list[str]]:
+    """One training batch from `rng`: a tag uniformly, a prompt of that tag, a fresh random layout of it.
+
+    Returns:
+        images: (batch_size, 32, 32, 3) uint8 renders; prompts: batch_size strings ("" where dropped for CFG).
+    """
+    idx = [by_tag[tags[k]][rng.integers(len(by_tag[tags[k]]))] for k in rng.integers(len(tags), size=batch_size)]
+    imgs = render_batch([data.metadata[i] for i in idx], rng)
+    prompts = [data.prompts[i] if rng.random() >= prompt_dropout else "" for i in idx]
+    return imgs, prompts
+
+
+_WORKER_STREAM_TAG = 0x5EED0F
+
+
+class _RenderStream(torch.utils.data.IterableDataset):
+    """Endless batches rendered in DataLoader worker processes; worker w draws from rng(seed, start step, w)."""
+
+    def __init__(self, cfg: "PretrainConfig", start_step: int):
+        self.cfg, self.start_step = cfg, start_step
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        wid = info.id if info is not None else 0
+        # The non-zero tag keeps this stream apart from default_rng(seed) of the in-process path: numpy's SeedSequence
+        # pads short entropy with zeros, so [seed, 0, 0] would collide with [seed].
+        rng = np.random.default_rng([self.cfg.seed, _WORKER_STREAM_TAG, self.start_step, wid])
+        data = load_prompts(self.cfg.prompts)
+        by_tag, tags = _group_by_tag(data.metadata)
+        while True:
+            imgs, prompts = make_batch(data, by_tag, tags, self.cfg.batch_size, self.cfg.prompt_dropout, rng)
+            yield torch.from_numpy(imgs), prompts
+
+
+def validate(cfg: PretrainConfig) -> torch.device:
+    """Check the settings before anything is written; returns the device. Raises ValueError / FileNotFoundError."""
+    for name in ("steps", "batch_size", "checkpoint_every", "log_every", "threads"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name}: must be >= 1 (got {getattr(cfg, name)})")
+    if cfg.workers < 0:
+        raise ValueError(f"workers: must be >= 0 (got {cfg.workers}); 0 renders in the training process")
+    if cfg.max_minutes < 0:
+        raise ValueError(f"max_minutes: must be >= 0 (got {cfg.max_minutes}); 0 means no time limit")
+    if cfg.init and cfg.init != "shipped" and not Path(cfg.init).exists():
+        raise FileNotFoundError(f"init: '{cfg.init}' not found; pass a tiny-model .safetensors, 'shipped' or ''")
+    return resolve_device(cfg.device)
+
+
 def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
     """Run (or resume) pretraining. Returns the run directory."""
+    device = validate(cfg)
     torch.set_num_threads(cfg.threads)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -81,6 +184,7 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
         model = TinyFlowModel(model_cfg)
         model.net.load_state_dict(init.net.state_dict())
         model.compute_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    model.to(device)
     ema = copy.deepcopy(model.net).requires_grad_(False)
     opt = torch.optim.AdamW(model.net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -88,7 +192,7 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
     step = 0
     state_path = out / "state.pt"
     if state_path.exists():
-        st = torch.load(state_path, weights_only=False)
+        st = torch.load(state_path, weights_only=False, map_location="cpu")  # the RNG states must stay on the CPU
         model.net.load_state_dict(st["model"])
         ema.load_state_dict(st["ema"])
         opt.load_state_dict(st["opt"])
@@ -98,10 +202,12 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
         print(f"resumed from {state_path} at step {step}")
 
     data = load_prompts(cfg.prompts)
-    by_tag: dict[str, list[int]] = {}
-    for i, m in enumerate(data.metadata):
-        by_tag.setdefault(m.get("tag", "plain"), []).append(i)
-    tags = [t for t in TAGS if t in by_tag] or list(by_tag)
+    by_tag, tags = _group_by_tag(data.metadata)
+    stream = None
+    if cfg.workers > 0:
+        stream = iter(torch.utils.data.DataLoader(_RenderStream(cfg, step), batch_size=None, num_workers=cfg.workers,
+                                                  prefetch_factor=4, persistent_workers=True,
+                                                  pin_memory=device.type == "cuda"))
 
     def lr_at(s: int) -> float:
         lr = cfg.lr * min(1.0, (s + 1) / cfg.warmup)
@@ -118,15 +224,18 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=step, desc="pretrain", dynamic_ncols=True)
+    stopped_early = False
     while step < cfg.steps:
-        idx = [by_tag[tags[k]][rng.integers(len(by_tag[tags[k]]))] for k in rng.integers(len(tags), size=cfg.batch_size)]
-        recs = [data.metadata[i] for i in idx]
-        imgs = torch.from_numpy(render_batch(recs, rng)).permute(0, 3, 1, 2).float() / 255.0
+        if stream is None:
+            imgs_np, prompts = make_batch(data, by_tag, tags, cfg.batch_size, cfg.prompt_dropout, rng)
+            imgs_u8 = torch.from_numpy(imgs_np)
+        else:
+            imgs_u8, prompts = next(stream)
+        imgs = imgs_u8.to(device, non_blocking=True).permute(0, 3, 1, 2).float() / 255.0
         x0 = model.encode_images(imgs)
-        prompts = [data.prompts[i] if rng.random() >= cfg.prompt_dropout else "" for i in idx]
         cond = model.encode_prompts(prompts)
-        x1 = torch.randn(x0.shape, generator=gen)
-        t = sample_t(cfg.batch_size, cfg.time_shift, gen)
+        x1 = torch.randn(x0.shape, generator=gen).to(device)  # noise and t from the CPU generator on every device
+        t = sample_t(cfg.batch_size, cfg.time_shift, gen).to(device)
         tb = t[:, None, None, None]
         x_t = (1 - tb) * x0 + tb * x1
         for g in opt.param_groups:
@@ -144,6 +253,7 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
                 pe.lerp_(pm, 1 - d)
         step += 1
         losses.append(loss.item())
+        out_of_time = cfg.max_minutes > 0 and time.time() - t0 > 60.0 * cfg.max_minutes and step < cfg.steps
         if bar is not None:
             bar.update(1)
         if step % cfg.log_every == 0:
@@ -153,7 +263,7 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
             if bar is not None:
                 bar.set_postfix(loss=f"{rec['loss']:.4f}")
             losses = []
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps or out_of_time:
             _atomic_save(
                 {"model": model.net.state_dict(), "ema": ema.state_dict(), "opt": opt.state_dict(), "step": step,
                  "torch_gen": gen.get_state(), "np_rng": rng.bit_generator.state},
@@ -162,35 +272,13 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
             snap = TinyFlowModel(model_cfg)
             snap.net.load_state_dict(ema.state_dict())
             snap.save(out / "ema", name=f"step{step:06d}", extra={"step": step, "pretrain": asdict(cfg)})
+        if out_of_time:
+            stopped_early = True
+            break
     if bar is not None:
         bar.close()
     log_f.close()
+    if stopped_early:
+        print(f"max_minutes={cfg.max_minutes} reached: stopped at step {step} of {cfg.steps} with a checkpoint; "
+              f"rerun the same command to continue")
     return out
-
-
-def main_from_args(args) -> None:  # used by the CLI
-    cfg = PretrainConfig(**{k: v for k, v in vars(args).items() if k in PretrainConfig.__dataclass_fields__ and v is not None})
-    pretrain(cfg)
-
-
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(description="pretrain the tiny flow model")
-    for f_name, f in PretrainConfig.__dataclass_fields__.items():
-        if f_name == "model":
-            continue
-        typ = type(f.default) if f.default is not None else str
-        if typ is bool:
-            ap.add_argument(f"--{f_name}", type=lambda s: s.lower() in ("1", "true", "yes"), default=None)
-        else:
-            ap.add_argument(f"--{f_name}", type=typ, default=None)
-    ap.add_argument("--width", type=int, default=None)
-    ap.add_argument("--depth", type=int, default=None)
-    a = ap.parse_args()
-    cfg = PretrainConfig(**{k: v for k, v in vars(a).items() if k in PretrainConfig.__dataclass_fields__ and v is not None})
-    if a.width:
-        cfg.model["width"] = a.width
-    if a.depth:
-        cfg.model["depth"] = a.depth
-    pretrain(cfg)
