@@ -29,6 +29,17 @@ def test_mean_band_interpolates_and_handles_partial_coverage():
     assert np.isclose(b["mean"][3], 2.0) and b["lo"][3] == b["hi"][3] == 2.0  # one seed: no band
 
 
+def test_mean_band_all_seeds_stops_where_the_shortest_seed_ends():
+    grid = np.array([0.0, 5.0, 10.0, 15.0, 20.0])
+    curves = [([0, 10], [0.0, 1.0]), ([0, 20], [0.0, 2.0]), ([0, 12], [0.0, 1.2])]
+    b = mean_band(curves, grid, all_seeds=True)
+    assert b["n"].tolist() == [3, 3, 3, 1, 1]
+    assert np.isclose(b["mean"][2], 1.0) and np.isfinite(b["lo"][2])
+    assert np.isnan(b["mean"][3:]).all() and np.isnan(b["lo"][3:]).all() and np.isnan(b["hi"][3:]).all()
+    full = mean_band(curves, grid)  # the default keeps the partial points
+    assert np.isfinite(full["mean"]).all() and np.isclose(full["mean"][3], 1.5)  # the 20-long seed alone
+
+
 def test_time_to_target_interpolates_and_never():
     x = [0, 10, 20, 30]
     y = [0.1, 0.2, 0.4, 0.5]

@@ -3,7 +3,7 @@
 import json
 
 from flowcredit.compare.report import write_report
-from flowcredit.compare.study import Study, StudyRun, execute, run_dir
+from flowcredit.compare.study import Study, StudyRun, execute, git_commit, run_commits, run_dir
 from flowcredit.models.tiny import TinyDiTConfig, TinyFlowModel
 
 
@@ -36,6 +36,11 @@ def test_study_runs_resumes_and_reports(tmp_path):
     path = write_report(study, out, "flowcredit compare test")
     text = path.read_text()
     assert "git commit" in text and "flowcredit compare test" in text
+    # provenance: each run records the code and command it was (re)started with, and the report lists them
+    assert run_commits(done) == [git_commit()] and run_commits(run_dir(out, study.runs[1], 0)) == [git_commit()]
+    rec = json.loads((done / "provenance.jsonl").read_text())
+    assert "flowcredit" in rec["command"] and "run.iterations=2" in rec["command"]
+    assert f"trained at: `{git_commit()}` (2 runs)" in text
     assert "| fg | 1 |" in text and "| sw | 1 |" in text
     assert (out / "curves.png").exists() and (out / "gain_per_step.png").exists()
     assert "## Credit diagnostics" in text and (out / "diagnostics.png").exists()

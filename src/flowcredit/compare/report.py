@@ -5,14 +5,13 @@ analogues, and a cost table. Everything lands in one folder: `report.md` + PNGs.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .stats import final_mean_ci, mean_band, ratio, summarize_times, time_to_target
-from .study import Study, run_dir
+from .study import Study, git_commit, run_commits, run_dir
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -51,7 +50,7 @@ def _band_plot(ax, study_runs, key_x, key_y, label_y, grid_max):
         if not curves:
             continue
         grid = np.linspace(0, grid_max, 200)
-        b = mean_band(curves, grid)
+        b = mean_band(curves, grid, all_seeds="iteration" not in key_x)  # wall clock: up to the shortest seed
         ax.plot(grid, b["mean"], label=f"{name} (n={len(curves)})")
         ax.fill_between(grid, b["lo"], b["hi"], alpha=0.2)
     ax.set_xlabel("iteration" if "iteration" in key_x else "wall-clock seconds (training)")
@@ -60,11 +59,22 @@ def _band_plot(ax, study_runs, key_x, key_y, label_y, grid_max):
     ax.legend(fontsize=7)
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
+def _run_commits_line(study: Study, out: Path) -> str:
+    commits: dict[str, int] = {}
+    missing = 0
+    for r in study.runs:
+        for s in study.seeds:
+            d = run_dir(out, r, s)
+            if not (d / "metrics.jsonl").exists():
+                continue
+            cs = run_commits(d)
+            missing += not cs
+            for c in dict.fromkeys(cs):
+                commits[c] = commits.get(c, 0) + 1
+    parts = [f"`{c}` ({n} run{'s' * (n != 1)})" for c, n in commits.items()]
+    if missing:
+        parts.append(f"not recorded for {missing} run{'s' * (missing != 1)}")
+    return "; ".join(parts) or "no runs"
 
 
 def write_report(study: Study, out: Path, command: str, figure: bool = True) -> Path:
@@ -78,7 +88,8 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
         runs[r.name] = [load_run(run_dir(out, r, s)) for s in study.seeds if (run_dir(out, r, s) / "metrics.jsonl").exists()]
     baseline = study.baseline or study.runs[0].name
     lines = [f"# Study: {study.name}", "", study.description.strip(), "",
-             f"- command: `{command}`", f"- git commit: `{git_commit()}`",
+             f"- command: `{command}`", f"- git commit (this report): `{git_commit()}`",
+             f"- git commit(s) the runs were trained at: {_run_commits_line(study, out)}",
              f"- seeds: {study.seeds}; iterations per run: {study.iterations}; periodic eval every {study.eval_every} iterations on "
              f"{study.eval_subset} tag-balanced held-out prompts (ODE, run.eval_steps steps, run.eval_guidance, fixed noise; see each run's config.yaml); final eval on the full held-out split.",
              f"- arms: " + "; ".join(f"**{r.name}** = `{r.preset} {' '.join(study.overrides + r.overrides)}`" for r in study.runs), ""]

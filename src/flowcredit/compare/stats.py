@@ -31,11 +31,19 @@ def interpolate(x: Sequence[float], y: Sequence[float], grid: np.ndarray) -> np.
     return out
 
 
-def mean_band(curves: Sequence[tuple[Sequence[float], Sequence[float]]], grid: np.ndarray) -> dict[str, np.ndarray]:
+def mean_band(curves: Sequence[tuple[Sequence[float], Sequence[float]]], grid: np.ndarray,
+              all_seeds: bool = False) -> dict[str, np.ndarray]:
     """Mean and 95% confidence band (Student t over seeds) of several (x, y) curves on a common grid.
 
+    Args:
+        curves: S (x, y) pairs, each x increasing; lengths may differ.
+        grid: (G,) points to evaluate on.
+        all_seeds: mean and band only where every seed covers the point (NaN elsewhere). Used for wall-clock
+            axes, where seeds end at different times: there the seed set changes from point to point, so the mean
+            jumps and the t quantile of fewer seeds inflates the band.
+
     Returns:
-        {"grid", "mean", "lo", "hi", "n"}: arrays over the grid; n = seeds covering each grid point. Where only one
+        {"grid", "mean", "lo", "hi", "n"}: (G,) arrays; n = seeds covering each grid point. Where only one
         seed covers a point the band collapses to the mean (no spread estimate).
     """
     ys = np.stack([interpolate(x, y, grid) for x, y in curves])  # (S, len(grid))
@@ -47,7 +55,11 @@ def mean_band(curves: Sequence[tuple[Sequence[float], Sequence[float]]], grid: n
         sd = np.nanstd(ys, axis=0, ddof=1) if ys.shape[0] > 1 else np.zeros(len(grid))
         sd = np.where(n > 1, sd, 0.0)
         half = np.array([t_quantile(int(k) - 1) if k > 1 else 0.0 for k in n]) * sd / np.sqrt(np.maximum(n, 1))
-    return {"grid": grid, "mean": mean, "lo": mean - half, "hi": mean + half, "n": n}
+    lo, hi = mean - half, mean + half
+    if all_seeds:
+        partial = n < len(curves)
+        mean, lo, hi = (np.where(partial, np.nan, a) for a in (mean, lo, hi))
+    return {"grid": grid, "mean": mean, "lo": lo, "hi": hi, "n": n}
 
 
 def time_to_target(x: Sequence[float], y: Sequence[float], target: float) -> float | None:

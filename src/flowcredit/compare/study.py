@@ -13,6 +13,7 @@ checkpoint (the trainer does that by itself), so a study interrupted mid-way res
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -90,6 +91,32 @@ def train_command(study: Study, run: StudyRun, seed: int, out: Path, threads: in
     ]
 
 
+def git_commit() -> str:
+    """HEAD of the working tree's repository, with '+dirty' when tracked files differ from it; 'unknown' outside git."""
+    try:
+        head = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+        dirty = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"], text=True,
+                                        stderr=subprocess.DEVNULL).strip()
+        return head + ("+dirty" if dirty else "")
+    except Exception:
+        return "unknown"
+
+
+def record_provenance(d: Path, cmd: list[str]) -> None:
+    """Append which code and command (re)started this run to `<run>/provenance.jsonl` (one line per start)."""
+    rec = {"git_commit": git_commit(), "command": " ".join(cmd), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    with open(d / "provenance.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def run_commits(d: Path) -> list[str]:
+    """The git commits recorded for a run's starts (empty if the run has no provenance record)."""
+    p = d / "provenance.jsonl"
+    if not p.exists():
+        return []
+    return [json.loads(line)["git_commit"] for line in p.read_text().splitlines() if line.strip()]
+
+
 def execute(study: Study, out: Path, parallel: int = 1, threads: int = 0, log=print) -> list[tuple[str, int]]:
     """Run every (arm, seed) not finished yet; `parallel` subprocesses at a time. Returns (run, exit code) list."""
     out.mkdir(parents=True, exist_ok=True)
@@ -106,6 +133,7 @@ def execute(study: Study, out: Path, parallel: int = 1, threads: int = 0, log=pr
             d.mkdir(parents=True, exist_ok=True)
             cmd = train_command(study, r, s, out, threads)
             f = open(d / "train.log", "a")
+            record_provenance(d, cmd)
             log(f"start {r.name} seed {s}")
             running.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT), f"{r.name}/seed{s}", d))
         time.sleep(1.0)
