@@ -47,6 +47,29 @@ def test_omega_mean_one_over_steps():
     assert (omega >= 0).all()
 
 
+def test_omega_of_an_all_zero_trajectory_zero_or_uniform():
+    q = torch.tensor([[0.0, 0.0, 0.0], [3.0, 2.0, 1.0]])
+    zero = timestep_weights(q, EPS)
+    uniform = timestep_weights(q, EPS, "uniform")
+    torch.testing.assert_close(zero[0], torch.zeros(3))
+    torch.testing.assert_close(uniform[0], torch.ones(3))
+    torch.testing.assert_close(zero[1], uniform[1])  # other trajectories: Q / mean Q = [1.5, 1, 0.5] either way
+    torch.testing.assert_close(zero[1], torch.tensor([1.5, 1.0, 0.5]))
+    with pytest.raises(ValueError, match="vgpo_weights_degenerate: unknown value 'x'"):
+        timestep_weights(q, EPS, "x")
+
+
+def test_uniform_omega_keeps_the_negative_advantage_of_a_failing_sample():
+    # binary rewards, one group of two: the first sample's estimates never score, the second's always do
+    inst = torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    inp = make_input(inst, torch.tensor([0, 0]))
+    zero = assign_credit(CreditCfg(name="vgpo"), inp).advantages
+    uniform = assign_credit(CreditCfg(name="vgpo", vgpo_weights_degenerate="uniform"), inp).advantages
+    assert (zero[0] == 0).all()  # the A14 guard: no signal from the failure
+    assert (uniform[0] < 0).all()  # uniform ω: the failing sample is pushed away from
+    torch.testing.assert_close(zero[1], uniform[1])
+
+
 def constant_and_diverse_batch():
     # group 0: three identical trajectories (all rewards equal), group 1: three different ones; T = 4
     same = torch.tensor([[0.2, 0.4, 0.6, 0.8]] * 3)

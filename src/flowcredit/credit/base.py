@@ -150,6 +150,12 @@ class CreditCfg:
         default=True,
         metadata={"help": "TCRM timestep weights ω_j = Q_j / mean_t Q_t per trajectory (§5.4, Eq. 11); off ⇒ ω = 1."},
     )
+    vgpo_weights_degenerate: Literal["zero", "uniform"] = field(
+        default="zero",
+        metadata={"help": "ω of a trajectory whose Q is all 0 (none of its x̂0 estimates scored; common under a "
+                  "binary reward): 'zero' = the A14 guard, no advantage at all for it; 'uniform' = ω 1, it keeps its "
+                  "relative (e.g. negative) advantage."},
+    )
     reward_shift: Literal["min", "none"] = field(
         default="min",
         metadata={"help": "Make instant rewards non-negative before Q and ω (A14): 'min' subtracts the batch minimum "

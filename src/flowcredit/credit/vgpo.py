@@ -87,20 +87,29 @@ def discounted_value(instant_rewards: Tensor, gamma: float) -> Tensor:
     return discounted_reverse_cumsum(instant_rewards, gamma)
 
 
-def timestep_weights(value: Tensor, eps: float) -> Tensor:
+def timestep_weights(value: Tensor, eps: float, degenerate: str = "zero") -> Tensor:
     """TCRM timestep weights ω_j = Q_j / max(mean_t Q_t, ε) per trajectory (§5.4, Eq. 11, A14).
 
-    For Q ≥ 0 the weights are finite, non-negative and average to 1 over the T steps (0 everywhere when the
-    trajectory's Q is all 0).
+    For Q ≥ 0 the weights are finite, non-negative and average to 1 over the T steps. A trajectory whose Q is all
+    0 (mean_t Q < ε: none of its intermediate estimates scored) has no defined weights: ``degenerate="zero"`` gives
+    it ω = 0 (so it gets no advantage at all, e.g. no negative signal for a failing sample under a binary reward),
+    ``"uniform"`` gives it ω = 1 (it keeps its relative advantage).
 
     Args:
         value: (B, T) Q.
         eps: ε floor of the denominator.
+        degenerate: "zero" | "uniform", the ω of all-zero trajectories.
 
     Returns:
         (B, T) ω.
     """
-    return value / value.mean(1, keepdim=True).clamp_min(eps)
+    mean = value.mean(1, keepdim=True)  # (B, 1)
+    omega = value / mean.clamp_min(eps)
+    if degenerate == "uniform":
+        return torch.where(mean < eps, torch.ones_like(omega), omega)
+    if degenerate != "zero":
+        raise ValueError(f"vgpo_weights_degenerate: unknown value '{degenerate}'; use 'zero' or 'uniform'")
+    return omega
 
 
 def group_step_zscore(value: Tensor, group_ids: Tensor, eps: float) -> Tensor:
@@ -173,7 +182,7 @@ def tcrm(inp: CreditInput, cfg: CreditCfg) -> tuple[Tensor, Tensor, dict[str, fl
                          f"minimum of {float(inst.min()):.4g} with reward_shift='none'. Use reward_shift='min', "
                          "shift the reward itself, or set vgpo_weights=False.")
     value = discounted_value(inst, cfg.vgpo_gamma)  # (B, T)
-    omega = timestep_weights(value, cfg.eps) if cfg.vgpo_weights else torch.ones_like(value)
+    omega = timestep_weights(value, cfg.eps, cfg.vgpo_weights_degenerate) if cfg.vgpo_weights else torch.ones_like(value)
     inverse, num_groups = group_index(inp.group_ids)
     stats: dict[str, float | list[float]] = {
         "reward_shift": shift,
