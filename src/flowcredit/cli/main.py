@@ -345,13 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
     c.set_defaults(fn=cmd_compare)
 
-    from ..models.pretrain import PRETRAIN_HELP, PretrainConfig
+    from ..models.pretrain import PretrainConfig
 
     pt = sub.add_parser("pretrain", help="flow-matching pretraining of the tiny model (resumable)")
     for name, f in PretrainConfig.__dataclass_fields__.items():
         if name == "model":
             continue
-        hlp = f"{PRETRAIN_HELP[name]} (default: {f.default!r})"
+        hlp = f"{f.metadata['help']} (default: {f.default!r})"
         if isinstance(f.default, bool):
             pt.add_argument(f"--{name}", type=lambda v: v.lower() in ("1", "true", "yes"), default=None, help=hlp)
         else:

@@ -34,59 +34,37 @@ from ..shapes.vocab import TAGS
 from .tiny import TinyDiTConfig, TinyFlowModel
 
 
+def _h(default, text: str):
+    return field(default=default, metadata={"help": text})
+
+
 @dataclass
 class PretrainConfig:
-    """Pretraining settings (every field has a CLI flag in `flowcredit pretrain`)."""
+    """Pretraining settings (every field but `model` is a CLI flag of `flowcredit pretrain`, with its help text)."""
 
-    out_dir: str = "pretrain_runs/tiny"
-    steps: int = 20000
-    batch_size: int = 64
-    lr: float = 6e-4
-    warmup: int = 300
-    decay_start: int = 0  # > 0: lr decays linearly from `lr` at this step to `lr_final` at `steps`
-    lr_final: float = 6e-5
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    ema_decay: float = 0.999
-    prompt_dropout: float = 0.1
-    time_shift: float = 3.0
-    seed: int = 0
-    bf16: bool = True
-    threads: int = 2
-    checkpoint_every: int = 500
-    log_every: int = 50
-    prompts: str = "shapes:train"
-    init: str = ""  # start (model and EMA) from these tiny-model weights, e.g. the shipped checkpoint; "" = random
-    device: str = "auto"
-    workers: int = 0
-    max_minutes: float = 0.0
+    out_dir: str = _h("pretrain_runs/tiny", "run folder (state.pt, log.jsonl, ema/step*.safetensors); an existing one is resumed")
+    steps: int = _h(20000, "total optimizer steps of the run (the learning-rate schedule ends here)")
+    batch_size: int = _h(64, "images per step")
+    lr: float = _h(6e-4, "peak AdamW learning rate")
+    warmup: int = _h(300, "linear warm-up steps")
+    decay_start: int = _h(0, "> 0: decay the lr linearly from this step to lr_final at `steps`; 0: constant after warm-up")
+    lr_final: float = _h(6e-5, "learning rate at the last step when decay_start > 0")
+    weight_decay: float = _h(0.0, "AdamW weight decay")
+    grad_clip: float = _h(1.0, "clip the global gradient norm to this value")
+    ema_decay: float = _h(0.999, "EMA decay of the weights that are snapshotted and shipped")
+    prompt_dropout: float = _h(0.1, "probability of replacing a prompt by '' (trains the unconditional branch for CFG)")
+    time_shift: float = _h(3.0, "SD3 resolution shift of the logit-normal t density (3 early, 1 later; see the shipped JSON)")
+    seed: int = _h(0, "seed of the initial weights, the layouts, the noise and t")
+    bf16: bool = _h(True, "bf16 autocast for the forward/backward (weights and optimizer stay fp32)")
+    threads: int = _h(2, "torch CPU threads")
+    checkpoint_every: int = _h(500, "write state.pt and an EMA snapshot every N steps")
+    log_every: int = _h(50, "append the mean loss to log.jsonl every N steps")
+    prompts: str = _h("shapes:train", "training prompts: shapes:train or a GenEval-style metadata .jsonl")
+    init: str = _h("", "start from these tiny-model weights ('shipped' = the packaged model); '' = random init")
+    device: str = _h("auto", "auto (CUDA if available, else CPU) | cpu | cuda | cuda:N")
+    workers: int = _h(0, "render batches in N DataLoader processes (for accelerators; 0 = in-process, bit-exact resume)")
+    max_minutes: float = _h(0.0, "> 0: checkpoint and stop after this many minutes of training; rerun the same command to continue")
     model: dict = field(default_factory=dict)  # TinyDiTConfig overrides
-
-
-PRETRAIN_HELP: dict[str, str] = {
-    "out_dir": "run folder (state.pt, log.jsonl, ema/step*.safetensors); an existing one is resumed",
-    "steps": "total optimizer steps of the run (the learning-rate schedule ends here)",
-    "batch_size": "images per step",
-    "lr": "peak AdamW learning rate",
-    "warmup": "linear warm-up steps",
-    "decay_start": "> 0: decay the lr linearly from this step to lr_final at `steps`; 0: constant after warm-up",
-    "lr_final": "learning rate at the last step when decay_start > 0",
-    "weight_decay": "AdamW weight decay",
-    "grad_clip": "clip the global gradient norm to this value",
-    "ema_decay": "EMA decay of the weights that are snapshotted and shipped",
-    "prompt_dropout": "probability of replacing a prompt by '' (trains the unconditional branch for CFG)",
-    "time_shift": "SD3 resolution shift of the logit-normal t density (3 early, 1 later; see the shipped JSON)",
-    "seed": "seed of the initial weights, the layouts, the noise and t",
-    "bf16": "bf16 autocast for the forward/backward (weights and optimizer stay fp32)",
-    "threads": "torch CPU threads",
-    "checkpoint_every": "write state.pt and an EMA snapshot every N steps",
-    "log_every": "append the mean loss to log.jsonl every N steps",
-    "prompts": "training prompts: shapes:train or a GenEval-style metadata .jsonl",
-    "init": "start from these tiny-model weights ('shipped' = the packaged model); '' = random init",
-    "device": "auto (CUDA if available, else CPU) | cpu | cuda | cuda:N",
-    "workers": "render batches in N DataLoader processes (for accelerators; 0 = in-process, bit-exact resume)",
-    "max_minutes": "> 0: checkpoint and stop after this many minutes of training; rerun the same command to continue",
-}
 
 
 def sample_t(n: int, shift: float, gen: torch.Generator) -> torch.Tensor:
@@ -135,7 +113,7 @@ _WORKER_STREAM_TAG = 0x5EED0F
 
 
 class _RenderStream(torch.utils.data.IterableDataset):
-    """Endless batches rendered in DataLoader worker processes; worker w draws from rng(seed, start step, w)."""
+    """Endless batches rendered in DataLoader worker processes; worker w draws from rng(seed, tag, start step, w)."""
 
     def __init__(self, cfg: "PretrainConfig", start_step: int):
         self.cfg, self.start_step = cfg, start_step
