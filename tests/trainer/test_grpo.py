@@ -287,6 +287,7 @@ def test_stepwise_and_vgpo_run(tmp_path, model_path, method, key):
     assert isinstance(rec[key], list) and len(rec[key]) == T and all_finite(rec[key])
     assert any(v != 0 for v in rec[key])
     assert rec["pairs_trained"] > 0 and all_finite(rec)
+    assert rec["parity_max_abs_dlogp"] < 1e-5  # on-policy ratio 1 for these methods too (C's Must show)
     traj = seen["traj"]
     # shared initial noise within a group
     assert torch.equal(traj.latents[0, 0], traj.latents[1, 0]) and not torch.equal(traj.latents[0, 0], traj.latents[G, 0])
