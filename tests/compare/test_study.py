@@ -3,7 +3,9 @@
 import json
 
 from flowcredit.compare.report import write_report
-from flowcredit.compare.study import Study, StudyRun, execute, git_commit, run_commits, run_dir
+from flowcredit.compare.study import (
+    Study, StudyRun, execute, find_reusable, git_commit, resolved_config, reused_from, run_commits, run_dir,
+)
 from flowcredit.models.tiny import TinyDiTConfig, TinyFlowModel
 
 
@@ -47,6 +49,29 @@ def test_study_runs_resumes_and_reports(tmp_path):
     assert any(line.startswith("| fg | ") and line.count("|") == 3 for line in text.splitlines())  # zero-std column
     ev = json.loads((run_dir(out, study.runs[1], 0) / "eval.json").read_text())
     assert "delta" in ev
+    # both arms share seed 0, so the second evaluated the initial model from the study's cache, not again
+    ev_fg = json.loads((done / "eval.json").read_text())
+    assert "base_cached" not in ev_fg and "base_cached" in ev and ev["base"] == ev_fg["base"]
+    assert not (run_dir(out, study.runs[1], 0) / "eval_base").exists() and (done / "eval_base").exists()
+
+    # --reuse: an arm whose resolved config equals a finished run's (another name, another study) is copied
+    again = Study(**{**study.__dict__, "name": "again", "runs": [StudyRun("fg_again", "tiny_flow_grpo")], "figure_run": None})
+    out2 = tmp_path / "study2"
+    res = execute(again, out2, parallel=1, threads=1, log=lambda *_: None, reuse=[out])
+    copied = run_dir(out2, again.runs[0], 0)
+    assert res == [("fg_again/seed0", 0)]
+    assert (copied / "eval.json").read_text() == (done / "eval.json").read_text()
+    assert (copied / "metrics.jsonl").read_text() == lines
+    assert reused_from(copied) == str(done) and run_commits(copied) == run_commits(done)  # trained-at commits kept
+    from flowcredit.config import load_config
+    from flowcredit.config.schema import TrainConfig
+
+    assert load_config(TrainConfig, str(copied / "config.yaml")).run.out_dir == str(copied)
+    assert "reused, not retrained" in write_report(again, out2, "flowcredit compare again").read_text()
+    # a different config (learning rate) is not reused
+    other = StudyRun("fg_lr", "tiny_flow_grpo", ["optim.lr=1e-4"])
+    assert find_reusable(resolved_config(again, other, 0, out2, 1), [out]) is None
+    assert find_reusable(resolved_config(again, again.runs[0], 0, out2, 1), [out]) == done
 
 
 def test_every_shipped_study_resolves_to_valid_train_configs():

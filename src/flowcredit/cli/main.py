@@ -244,7 +244,7 @@ def cmd_compare(ns) -> int:
     out = Path(ns.out or f"results/{Path(ns.study[0]).stem}")
     command = "flowcredit compare " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else ns.study)
     if not ns.report_only:
-        results = execute(study, out, parallel=ns.parallel, threads=ns.threads)
+        results = execute(study, out, parallel=ns.parallel, threads=ns.threads, reuse=[Path(d) for d in ns.reuse])
         failed = [r for r in results if r[1] != 0]
         if failed:
             print(f"{len(failed)} run(s) failed: {failed}; rerun the same command to resume", file=sys.stderr)
@@ -342,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--override", action="append", default=[], help="key=value applied to every arm (repeatable)")
     c.add_argument("--parallel", type=int, default=1, help="runs at a time")
     c.add_argument("--threads", type=int, default=0, help="torch threads per run (0 = cores / parallel)")
+    c.add_argument("--reuse", action="append", default=[], metavar="DIR",
+                   help="copy, instead of retraining, any run whose resolved config equals a finished run's under DIR (repeatable)")
     c.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
     c.set_defaults(fn=cmd_compare)
 

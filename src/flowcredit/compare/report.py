@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from .stats import final_mean_ci, mean_band, ratio, summarize_times, time_to_target
-from .study import Study, git_commit, run_commits, run_dir
+from .study import Study, git_commit, reused_from, run_commits, run_dir
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -77,6 +77,18 @@ def _run_commits_line(study: Study, out: Path) -> str:
     return "; ".join(parts) or "no runs"
 
 
+def _reused_line(study: Study, out: Path) -> list[str]:
+    items = []
+    for r in study.runs:
+        for s in study.seeds:
+            src = reused_from(run_dir(out, r, s))
+            if src:
+                items.append(f"{r.name}/seed{s} ← `{src}`")
+    if not items:
+        return []
+    return [f"- reused, not retrained (identical resolved config; `--reuse`): " + "; ".join(items)]
+
+
 def write_report(study: Study, out: Path, command: str, figure: bool = True) -> Path:
     import matplotlib
 
@@ -90,6 +102,7 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
     lines = [f"# Study: {study.name}", "", study.description.strip(), "",
              f"- command: `{command}`", f"- git commit (this report): `{git_commit()}`",
              f"- git commit(s) the runs were trained at: {_run_commits_line(study, out)}",
+             *_reused_line(study, out),
              f"- seeds: {study.seeds}; iterations per run: {study.iterations}; periodic eval every {study.eval_every} iterations on "
              f"{study.eval_subset} tag-balanced held-out prompts (ODE, run.eval_steps steps, run.eval_guidance, fixed noise; see each run's config.yaml); final eval on the full held-out split.",
              f"- arms: " + "; ".join(f"**{r.name}** = `{r.preset} {' '.join(study.overrides + r.overrides)}`" for r in study.runs), ""]

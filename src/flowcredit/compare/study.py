@@ -9,12 +9,22 @@ A study is a YAML file (see `flowcredit/studies/*.yaml`) or a list of presets on
 Every run is `flowcredit train <preset> <overrides> run.seed=<s> run.out_dir=<out>/runs/<name>/seed<s>` in a
 subprocess. A run whose `eval.json` exists is finished and skipped; an interrupted run resumes from its latest
 checkpoint (the trainer does that by itself), so a study interrupted mid-way resumes without redoing work.
+
+Two savings that do not change any number:
+- the runs of a study share `<out>/eval_base_cache/`: arms with the same seed evaluate the initial model once
+  (`run.eval_baseline_cache`, keyed by a hash of the initial weights, prompts, noise and settings);
+- `--reuse DIR`: a run whose fully resolved config (all but `run.out_dir` and the cache folder) equals that of a
+  finished run anywhere under DIR (e.g. the same default arm in another study) is copied instead of retrained;
+  its `provenance.jsonl` keeps the original commits and command and gains a `reused_from` line, and the report
+  lists it. This assumes the code between those commits computes the same thing for that config.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -87,8 +97,71 @@ def train_command(study: Study, run: StudyRun, seed: int, out: Path, threads: in
         *study.overrides, *run.overrides,
         f"run.seed={seed}", f"run.iterations={study.iterations}", f"run.eval_every={study.eval_every}",
         f"run.eval_subset={study.eval_subset}", "run.max_minutes=0", f"run.threads={threads}",
-        f"run.out_dir={run_dir(out, run, seed)}",
+        f"run.out_dir={run_dir(out, run, seed)}", f"run.eval_baseline_cache={out / 'eval_base_cache'}",
     ]
+
+
+# resolved-config keys that name folders and do not change what a run computes
+_NOT_IDENTITY = ("out_dir", "eval_baseline_cache")
+
+
+def _identity(cfg) -> dict:
+    d = dataclasses.asdict(cfg)
+    for k in _NOT_IDENTITY:
+        d["run"].pop(k, None)
+    return d
+
+
+def resolved_config(study: Study, run: StudyRun, seed: int, out: Path, threads: int):
+    """The TrainConfig `flowcredit train` will resolve for this (arm, seed)."""
+    from ..cli.main import resolve_train_config
+
+    return resolve_train_config(train_command(study, run, seed, out, threads)[4:])[0]
+
+
+def find_reusable(cfg, pools: list[Path], exclude: Path | None = None) -> Path | None:
+    """A finished run folder (has eval.json) under any of `pools` whose resolved config.yaml equals `cfg` in all
+    but the folder keys; None if there is none."""
+    from ..config import load_config
+    from ..config.schema import TrainConfig
+
+    want = _identity(cfg)
+    for pool in pools:
+        for c in sorted(Path(pool).glob("**/config.yaml")):
+            d = c.parent
+            if not (d / "eval.json").is_file() or (exclude is not None and d.resolve() == exclude.resolve()):
+                continue
+            try:
+                other = load_config(TrainConfig, str(c))
+            except Exception:  # a config of another schema version: not the same run
+                continue
+            if _identity(other) == want:
+                return d
+    return None
+
+
+def reuse_run(src: Path, dst: Path, cfg) -> None:
+    """Copy the finished run `src` to `dst`, point its config.yaml at `dst` and record where it came from."""
+    from ..config import dump_yaml
+
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    cfg.run.out_dir = str(dst)
+    dump_yaml(cfg, dst / "config.yaml")
+    rec = {"reused_from": str(src), "copied_at_commit": git_commit(), "copied": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    with open(dst / "provenance.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def reused_from(d: Path) -> str | None:
+    """The run folder a reused run was copied from (None if it was trained here)."""
+    p = d / "provenance.jsonl"
+    if not p.exists():
+        return None
+    src = [json.loads(line).get("reused_from") for line in p.read_text().splitlines() if line.strip()]
+    src = [x for x in src if x]
+    return src[-1] if src else None
 
 
 def git_commit() -> str:
@@ -114,18 +187,33 @@ def run_commits(d: Path) -> list[str]:
     p = d / "provenance.jsonl"
     if not p.exists():
         return []
-    return [json.loads(line)["git_commit"] for line in p.read_text().splitlines() if line.strip()]
+    recs = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return [r["git_commit"] for r in recs if "git_commit" in r]
 
 
-def execute(study: Study, out: Path, parallel: int = 1, threads: int = 0, log=print) -> list[tuple[str, int]]:
-    """Run every (arm, seed) not finished yet; `parallel` subprocesses at a time. Returns (run, exit code) list."""
+def execute(study: Study, out: Path, parallel: int = 1, threads: int = 0, log=print,
+            reuse: list[Path] | None = None) -> list[tuple[str, int]]:
+    """Run every (arm, seed) not finished yet; `parallel` subprocesses at a time. Returns (run, exit code) list.
+    With `reuse` folders, a not-yet-started run identical to a finished one there is copied (exit code 0)."""
     out.mkdir(parents=True, exist_ok=True)
     threads = threads or max(1, (os.cpu_count() or 2) // max(1, parallel))
     todo = [(r, s) for r in study.runs for s in study.seeds if not (run_dir(out, r, s) / "eval.json").exists()]
     done = len(study.runs) * len(study.seeds) - len(todo)
-    log(f"study '{study.name}': {done} runs finished, {len(todo)} to run ({parallel} at a time)")
-    running: list[tuple[subprocess.Popen, str, Path]] = []
     results: list[tuple[str, int]] = []
+    if reuse:
+        for r, s in list(todo):
+            d = run_dir(out, r, s)
+            if (d / "metrics.jsonl").exists():  # started here: resume it rather than replace it
+                continue
+            cfg = resolved_config(study, r, s, out, threads)
+            src = find_reusable(cfg, reuse, exclude=d)
+            if src is not None:
+                reuse_run(src, d, cfg)
+                todo.remove((r, s))
+                results.append((f"{r.name}/seed{s}", 0))
+                log(f"reused {r.name} seed {s} from {src} (identical resolved config)")
+    log(f"study '{study.name}': {done} runs finished, {len(results)} reused, {len(todo)} to run ({parallel} at a time)")
+    running: list[tuple[subprocess.Popen, str, Path]] = []
     while todo or running:
         while todo and len(running) < parallel:
             r, s = todo.pop(0)

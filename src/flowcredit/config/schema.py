@@ -163,6 +163,9 @@ class RunCfg:
     checkpoint_every: int = _h(50, "Checkpoint every N iterations and at the end (0 = only at the end).")
     eval_at_end: bool = _h(True, "Evaluate on eval_prompts at the end (same code path as `flowcredit eval`) → eval.json.")
     eval_baseline: bool = _h(True, "Also evaluate the initial model with the same noise, so eval.json holds the improvement.")
+    eval_baseline_cache: Optional[str] = _h(
+        None, "Folder caching the initial model's final evaluation under a hash of its weights, the prompts, noise seed, sampler and reward, so runs that share them evaluate the initial model once (`flowcredit compare` sets it per study); null = off."
+    )
     eval_prompts: str = _h("shapes:test", "Held-out prompts for the final evaluation.")
     eval_steps: int = _h(40, "ODE steps of the evaluation sampler.")
     eval_guidance: float = _h(1.0, "CFG scale of the evaluation.")

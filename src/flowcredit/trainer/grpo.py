@@ -29,8 +29,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -623,10 +625,20 @@ class GRPOTrainer:
         self._swap_back(backup)
         result: dict[str, Any] = {"trained": trained, "eval_seconds": time.time() - t0}
         if self.initial_state is not None:
-            current = {k: v.detach().clone() for k, v in self.model.net.state_dict().items()}
-            self.model.net.load_state_dict(self.initial_state)
-            base = evaluate(self.model, self.eval_prompts, out_dir=self.out / "eval_base" if main else None, write_samples=False, **kw)
-            self.model.net.load_state_dict(current)
+            cache = self._baseline_cache_file(kw)
+            if cache is not None and cache.is_file():
+                base = json.loads(cache.read_text())
+                result["base_cached"] = str(cache)
+            else:
+                current = {k: v.detach().clone() for k, v in self.model.net.state_dict().items()}
+                self.model.net.load_state_dict(self.initial_state)
+                base = evaluate(self.model, self.eval_prompts, out_dir=self.out / "eval_base" if main else None, write_samples=False, **kw)
+                self.model.net.load_state_dict(current)
+                if cache is not None and main:
+                    cache.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = cache.with_suffix(f".tmp{os.getpid()}")
+                    tmp.write_text(json.dumps(base))
+                    os.replace(tmp, cache)  # atomic: runs in parallel never read a half-written file
             result["base"] = base
             result["delta"] = {
                 "reward_mean": trained["reward_mean"] - base["reward_mean"],
@@ -636,6 +648,23 @@ class GRPOTrainer:
         if main:
             (self.out / "eval.json").write_text(json.dumps(result, indent=2))
         return result
+
+    def _baseline_cache_file(self, eval_kw: dict[str, Any]) -> Path | None:
+        """`<run.eval_baseline_cache>/<sha256>.json` for the initial model's final evaluation, or None (cache off,
+        or several processes, whose weights may be sharded). The key hashes everything the evaluation depends on:
+        the initial weights' bytes, the evaluation prompts and metadata, sampler settings, noise seed and reward."""
+        if not self.cfg.run.eval_baseline_cache or self.dist.world_size > 1:
+            return None
+        h = hashlib.sha256()
+        for k in sorted(self.initial_state):
+            t = self.initial_state[k].detach().cpu().contiguous()
+            h.update(k.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        settings = {k: v for k, v in eval_kw.items() if k != "reward"}
+        h.update(json.dumps({"prompts": self.eval_prompts.prompts, "metadata": self.eval_prompts.metadata, "eval": settings,
+                             "reward": dataclasses.asdict(self.cfg.reward), "model": dataclasses.asdict(self.cfg.model)},
+                            sort_keys=True, default=str).encode())
+        return Path(self.cfg.run.eval_baseline_cache) / f"{h.hexdigest()}.json"
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def checkpoint_state(self) -> dict[str, Any]:
