@@ -5,7 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from flowcredit.compare.stats import final_mean_ci, mean_band, ratio, summarize_times, t_quantile, time_to_target
+from flowcredit.compare.stats import (
+    final_mean_ci, mean_band, paired_difference, ratio, summarize_times, t_quantile, time_to_target,
+)
 
 
 def test_mean_band_hand_computed():
@@ -59,3 +61,21 @@ def test_summaries_and_ratios():
     assert m == 2.0 and h == pytest.approx(4.303 / math.sqrt(3))
     assert final_mean_ci([5.0]) == (5.0, 0.0)
     assert t_quantile(1) == pytest.approx(12.706) and t_quantile(100) == pytest.approx(1.96)
+
+
+def test_paired_difference_hand_computed():
+    # seeds 0..2 paired (seed 3 only in the arm is left out): differences 0.1, 0.2, 0.3 → mean 0.2, sd 0.1,
+    # half-width t(2)·0.1/√3 = 4.303·0.057735 = 0.24843
+    arm = {0: 0.5, 1: 0.7, 2: 0.4, 3: 9.0}
+    base = {0: 0.4, 1: 0.5, 2: 0.1}
+    m, h, seeds, diffs = paired_difference(arm, base)
+    assert seeds == [0, 1, 2] and diffs == pytest.approx([0.1, 0.2, 0.3])
+    assert m == pytest.approx(0.2) and h == pytest.approx(4.303 * 0.1 / math.sqrt(3), rel=1e-6)  # t-table value of t_quantile(2)
+    # pairing removes a shared per-seed offset that the unpaired CI would count as noise
+    shared = {0: 0.0, 1: 1.0, 2: -1.0}
+    a = {s: v + 0.05 for s, v in shared.items()}
+    m, h, _, _ = paired_difference(a, shared)
+    assert m == pytest.approx(0.05) and h == pytest.approx(0.0, abs=1e-12)
+    assert final_mean_ci(list(a.values()))[1] > 1.0
+    m, h, seeds, _ = paired_difference({0: 1.0}, {1: 1.0})
+    assert seeds == [] and math.isnan(m)

@@ -44,6 +44,7 @@ def test_study_runs_resumes_and_reports(tmp_path):
     assert "flowcredit" in rec["command"] and "run.iterations=2" in rec["command"]
     assert f"trained at: `{git_commit()}` (2 runs)" in text
     assert "| fg | 1 |" in text and "| sw | 1 |" in text
+    assert "Paired by seed against **fg**" in text and "| arm | paired seeds |" in text
     assert (out / "curves.png").exists() and (out / "gain_per_step.png").exists()
     assert "## Credit diagnostics" in text and (out / "diagnostics.png").exists()
     assert any(line.startswith("| fg | ") and line.count("|") == 3 for line in text.splitlines())  # zero-std column

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .stats import final_mean_ci, mean_band, ratio, summarize_times, time_to_target
+from .stats import final_mean_ci, mean_band, paired_difference, ratio, summarize_times, time_to_target
 from .study import Study, git_commit, reused_from, run_commits, run_dir
 
 
@@ -97,7 +97,7 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
 
     runs: dict[str, list[dict[str, Any]]] = {}
     for r in study.runs:
-        runs[r.name] = [load_run(run_dir(out, r, s)) for s in study.seeds if (run_dir(out, r, s) / "metrics.jsonl").exists()]
+        runs[r.name] = [{**load_run(run_dir(out, r, s)), "seed": s} for s in study.seeds if (run_dir(out, r, s) / "metrics.jsonl").exists()]
     baseline = study.baseline or study.runs[0].name
     lines = [f"# Study: {study.name}", "", study.description.strip(), "",
              f"- command: `{command}`", f"- git commit (this report): `{git_commit()}`",
@@ -129,19 +129,36 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
 
     # --- final numbers ------------------------------------------------------------------------------------------
     lines += ["## Final held-out evaluation (full test split)", "",
-              "| arm | seeds | reward (mean ± 95% CI) | strict overall | Δ reward vs initial | Δ strict vs initial | train s (mean) |",
-              "|---|---|---|---|---|---|---|"]
+              "| arm | seeds | reward (mean ± 95% CI) | strict overall | Δ reward vs initial | Δ strict vs initial | Δ strict per seed | train s (mean) |",
+              "|---|---|---|---|---|---|---|---|"]
+    delta = {name: {k: {r["seed"]: r["final"]["delta"][k] for r in rs if r["final"] and k in r["final"].get("delta", {})}
+                    for k in ("strict_overall", "reward_mean")} for name, rs in runs.items()}
     for name, rs in runs.items():
         fin = [r["final"] for r in rs if r["final"]]
         if not fin:
-            lines.append(f"| {name} | 0 | – | – | – | – | – |")
+            lines.append(f"| {name} | 0 | – | – | – | – | – | – |")
             continue
+        per_seed = " / ".join(f"{v:+.3f}" for _, v in sorted(delta[name]["strict_overall"].items())) or "–"
         rw = final_mean_ci([f["trained"]["reward_mean"] for f in fin])
         st = final_mean_ci([f["trained"].get("strict_overall", np.nan) for f in fin])
         dr = final_mean_ci([f["delta"]["reward_mean"] for f in fin if "delta" in f])
         ds = final_mean_ci([f["delta"].get("strict_overall", np.nan) for f in fin if "delta" in f])
         secs = np.mean([r["seconds"][-1] for r in rs if len(r["seconds"])])
-        lines.append(f"| {name} | {len(fin)} | {rw[0]:.4f} ± {rw[1]:.4f} | {st[0]:.4f} ± {st[1]:.4f} | {dr[0]:+.4f} ± {dr[1]:.4f} | {ds[0]:+.4f} ± {ds[1]:.4f} | {secs:.0f} |")
+        lines.append(f"| {name} | {len(fin)} | {rw[0]:.4f} ± {rw[1]:.4f} | {st[0]:.4f} ± {st[1]:.4f} | {dr[0]:+.4f} ± {dr[1]:.4f} | {ds[0]:+.4f} ± {ds[1]:.4f} | {per_seed} | {secs:.0f} |")
+    lines.append("")
+    lines += [f"Paired by seed against **{baseline}** (runs of one seed share the prompt order, the initial noise and the "
+              "evaluation noise, so the per-seed difference cancels what they have in common); mean ± 95% CI over the "
+              "paired seeds. A CI that includes 0 means the study cannot tell the arm from the baseline.", "",
+              f"| arm | paired seeds | Δ strict − {baseline}'s | per seed | Δ reward − {baseline}'s |", "|---|---|---|---|---|"]
+    for name in runs:
+        if name == baseline or baseline not in delta:
+            continue
+        ms, hs, seeds, ds_ = paired_difference(delta[name]["strict_overall"], delta[baseline]["strict_overall"])
+        mr, hr, _, _ = paired_difference(delta[name]["reward_mean"], delta[baseline]["reward_mean"])
+        if not seeds:
+            lines.append(f"| {name} | 0 | – | – | – |")
+            continue
+        lines.append(f"| {name} | {len(seeds)} | {ms:+.4f} ± {hs:.4f} | {' / '.join(f'{d:+.3f}' for d in ds_)} | {mr:+.4f} ± {hr:.4f} |")
     lines.append("")
 
     # --- time to target -----------------------------------------------------------------------------------------

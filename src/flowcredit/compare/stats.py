@@ -104,3 +104,21 @@ def final_mean_ci(values: Sequence[float]) -> tuple[float, float]:
     if v.size == 1:
         return float(v[0]), 0.0
     return float(v.mean()), float(t_quantile(v.size - 1) * v.std(ddof=1) / math.sqrt(v.size))
+
+
+def paired_difference(arm: dict[int, float], baseline: dict[int, float]) -> tuple[float, float, list[int], list[float]]:
+    """Mean and 95% half-width (Student t) of arm − baseline over the seeds both have.
+
+    Runs of the same seed share the prompt order, the initial noise and the evaluation noise, so the per-seed
+    difference removes what the arms have in common; its spread is the arms' own seed-to-seed disagreement.
+
+    Args:
+        arm, baseline: {seed: final value}; seeds missing from either side are left out.
+
+    Returns:
+        (mean, half-width, the paired seeds in order, the per-seed differences); NaN mean if no seed pairs.
+    """
+    seeds = sorted(set(arm) & set(baseline))
+    diffs = [float(arm[s] - baseline[s]) for s in seeds]
+    m, h = final_mean_ci(diffs)
+    return m, h, seeds, diffs
