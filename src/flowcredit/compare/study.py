@@ -149,7 +149,8 @@ def reuse_run(src: Path, dst: Path, cfg) -> None:
     shutil.copytree(src, dst)
     cfg.run.out_dir = str(dst)
     dump_yaml(cfg, dst / "config.yaml")
-    rec = {"reused_from": str(src), "copied_at_commit": git_commit(), "copied": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    shown = os.path.relpath(src) if Path(src).resolve().is_relative_to(Path.cwd().resolve()) else str(src)
+    rec = {"reused_from": shown, "copied_at_commit": git_commit(), "copied": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     with open(dst / "provenance.jsonl", "a") as f:
         f.write(json.dumps(rec) + "\n")
 
