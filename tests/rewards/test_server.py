@@ -180,8 +180,11 @@ def test_main_serve_cli_process(tmp_path):
     src = str(Path(__file__).resolve().parents[2] / "src")
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "FLOWCREDIT_REWARD_TOKEN": "t0k"}
     code = "import sys; from flowcredit.rewards.server import main_serve; sys.exit(main_serve(sys.argv[1:]))"
+    # A suite started in the background (`pytest &` in a non-interactive shell) inherits SIGINT ignored, and Python
+    # then installs no KeyboardInterrupt handler in the child: give the child the default disposition back.
     p = subprocess.Popen([sys.executable, "-c", code, "imagestats", "--port", "0", "-o", "stat=brightness"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = p.stdout.readline()
         assert "serving reward 'imagestats' at http://127.0.0.1:" in line and "bearer token" in line, (line, p.stderr.read() if p.poll() is not None else "")
