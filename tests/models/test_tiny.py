@@ -120,3 +120,88 @@ def test_shipped_checkpoint_small_and_fast():
     with torch.no_grad():
         v = model.velocity(torch.randn(1, *model.latent_shape), torch.tensor([0.5]), model.encode_prompts(["a photo of a red circle"]))
     assert torch.isfinite(v).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LoRA (peft) on the tiny model: model.trainable=lora
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _inputs(model: TinyFlowModel, batch: int = 3, seed: int = 0):
+    """x_t: (B, 3, R, R); t: (B,); cond of B prompts."""
+    g = torch.Generator().manual_seed(seed)
+    R = model.cfg.resolution
+    x = torch.randn(batch, 3, R, R, generator=g)
+    t = torch.rand(batch, generator=g)
+    cond = model.encode_prompts(["a photo of a red circle", "a photo of two blue squares", ""][:batch])
+    return x, t, cond
+
+
+def _lora_model(rank: int = 4) -> tuple[TinyFlowModel, TinyFlowModel]:
+    """(plain, the same weights + a LoRA adapter whose B is perturbed so that the adapter changes the velocity)."""
+    pytest.importorskip("peft")
+    plain = _perturbed_model()
+    lora = TinyFlowModel(plain.cfg)
+    lora.net.load_state_dict(plain.net.state_dict())
+    lora.add_lora(rank, 2.0 * rank)
+    return plain, lora
+
+
+def test_lora_starts_as_the_base_model_and_wraps_only_the_block_linears():
+    plain, lora = _lora_model()
+    names = [n for n, _ in lora.net.named_parameters() if "lora_" in n]
+    wrapped = sorted({n.split(".lora_")[0] for n in names})
+    # 4 linears per block (qkv, proj, mlp.0, mlp.2); each gets lora_A and lora_B
+    assert len(wrapped) == 4 * plain.cfg.depth and len(names) == 2 * len(wrapped)
+    assert all(n.startswith("blocks.") for n in wrapped)
+    x, t, cond = _inputs(plain)
+    with torch.no_grad():
+        # B = 0 at init: the same velocity up to float summation order (x·W and x·W + 0·(x·A))
+        torch.testing.assert_close(lora.velocity(x, t, cond), plain.velocity(x, t, cond), atol=1e-6, rtol=1e-6)
+
+
+def test_lora_merged_state_dict_reproduces_the_adapter_and_reference_disables_it():
+    plain, lora = _lora_model()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in lora.net.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    x, t, cond = _inputs(plain)
+    with torch.no_grad():
+        v_lora = lora.velocity(x, t, cond)
+        v_base = plain.velocity(x, t, cond)
+        assert (v_lora - v_base).abs().max() > 1e-3  # the adapter acts
+        merged = TinyFlowModel(plain.cfg)
+        merged.net.load_state_dict(lora.merged_state_dict())  # strict: plain keys only
+        torch.testing.assert_close(merged.velocity(x, t, cond), v_lora, atol=1e-5, rtol=1e-5)
+    # the reference context = the base model; requires_grad flags come back exactly
+    lora.net.requires_grad_(False)
+    for n, p in lora.net.named_parameters():
+        p.requires_grad_("lora_" in n)
+    flags = {n: p.requires_grad for n, p in lora.net.named_parameters()}
+    with torch.no_grad(), lora.reference() as ref:
+        torch.testing.assert_close(ref.velocity(x, t, cond), v_base, atol=1e-6, rtol=1e-6)
+    assert {n: p.requires_grad for n, p in lora.net.named_parameters()} == flags
+    with torch.no_grad():
+        assert torch.equal(lora.velocity(x, t, cond), v_lora)  # adapter back on
+    assert not hasattr(plain, "reference")  # full fine-tunes: the trainer keeps a frozen copy instead
+
+
+def test_lora_save_writes_a_plain_model(tmp_path):
+    plain, lora = _lora_model()
+    with torch.no_grad():
+        for n, p in lora.net.named_parameters():
+            if "lora_B" in n:
+                p.fill_(0.01)
+    path = lora.save(tmp_path, name="merged")
+    back = TinyFlowModel.load(path)
+    x, t, cond = _inputs(plain)
+    with torch.no_grad():
+        torch.testing.assert_close(back.velocity(x, t, cond), lora.velocity(x, t, cond), atol=1e-5, rtol=1e-5)
+
+
+def test_lora_bad_targets_one_line_error():
+    pytest.importorskip("peft")
+    with pytest.raises(ValueError, match=r"model.lora_targets=\['nope'\] matched no linear layer of the tiny DiT.*use names like"):
+        _perturbed_model().add_lora(4, 8.0, ["nope"])

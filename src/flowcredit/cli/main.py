@@ -121,10 +121,16 @@ def load_any_model(path: str | None, precision: str = "fp32"):
                 raise FileNotFoundError(f"checkpoint '{p}' not found")
             st = torch.load(p, weights_only=False, map_location="cpu")
             model = TinyFlowModel(TinyDiTConfig(**st["model_config"]))
+            if st.get("lora"):  # a LoRA run: rebuild its adapter to load the state, then evaluate the merged weights
+                model.add_lora(**st["lora"])
             state = dict(st["model"])
             if st.get("ema"):
                 state.update(st["ema"])  # evaluate the EMA weights when the run kept them
             model.net.load_state_dict(state)
+            if model.has_lora:
+                merged = TinyFlowModel(model.cfg)
+                merged.net.load_state_dict(model.merged_state_dict())
+                model = merged
             model.eval()
         else:
             model = TinyFlowModel.load(p)

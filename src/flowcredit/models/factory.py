@@ -10,13 +10,16 @@ from ..config.schema import ModelCfg
 def build_model(cfg: ModelCfg, device: str = "cpu"):
     """Return a FlowModel for `cfg` on `device`.
 
-    tiny: the built-in model. sd3 / flux: the diffusers adapters (LoRA added at build time when
-    cfg.trainable == "lora"; see models/diffusers_common.py).
+    tiny: the built-in model. sd3 / flux: the diffusers adapters. LoRA (peft) is added at build time when
+    cfg.trainable == "lora" (tiny: `TinyFlowModel.add_lora`; diffusers: models/diffusers_common.py).
     """
     if cfg.name == "tiny":
         from .tiny import TinyFlowModel
 
-        model = TinyFlowModel.load(cfg.path).to(device)
+        model = TinyFlowModel.load(cfg.path)
+        if cfg.trainable == "lora":
+            model.add_lora(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+        model = model.to(device)
         model.compute_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
         return model
     if cfg.name in ("sd3", "flux"):
@@ -42,7 +45,8 @@ def build_model(cfg: ModelCfg, device: str = "cpu"):
 
 
 def set_trainable(model, trainable: str) -> list[torch.nn.Parameter]:
-    """Choose what RL trains on the tiny model: 'all' weights or 'blocks' (transformer blocks + output head).
+    """Choose what RL trains on the tiny model: 'all' weights, 'blocks' (transformer blocks + output head) or 'lora'
+    (the peft adapter that `build_model` injected; base weights frozen).
 
     Diffusers adapters (SD3/FLUX) choose themselves ('lora', 'all' or 'blocks'; text encoders and VAE stay frozen).
 
@@ -59,9 +63,12 @@ def set_trainable(model, trainable: str) -> list[torch.nn.Parameter]:
         for mod in (net.blocks, net.ada_out, net.patch_out):
             mod.requires_grad_(True)
     elif trainable == "lora":
-        raise ValueError(
-            "model.trainable=lora is supported for sd3 and flux, not for the 3.4 M-parameter tiny model; use all or blocks"
-        )
+        if not getattr(model, "has_lora", False):
+            raise ValueError("model.trainable=lora but the model was built without a LoRA adapter; build it with build_model")
+        net.requires_grad_(False)
+        for name, p in net.named_parameters():
+            if "lora_" in name:
+                p.requires_grad_(True)
     else:
         raise ValueError(f"model.trainable={trainable!r}; valid: all, blocks, lora")
     return [p for p in net.parameters() if p.requires_grad]

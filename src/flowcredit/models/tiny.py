@@ -16,12 +16,13 @@ Classifier-free guidance uses the empty prompt "" (only the [CLS] token), traine
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -235,6 +236,9 @@ class TinyDiT(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------
 
 ASSET_DIR = Path(__file__).parent / "assets"
+# LoRA targets of model.trainable=lora (empty model.lora_targets): every linear layer of the DiT blocks, attention
+# (qkv, proj) and MLP; not the adaLN modulation, embeddings or text encoder.
+DEFAULT_LORA_TARGETS = ("qkv", "proj", "mlp.0", "mlp.2")
 SHIPPED_NAME = "tiny_shapes32"
 
 
@@ -252,6 +256,7 @@ class TinyFlowModel(nn.Module):
         self.tokenizer = WordTokenizer(self.cfg.vocabulary, self.cfg.max_text_len)
         self.latent_shape = (self.cfg.channels, self.cfg.resolution, self.cfg.resolution)
         self.compute_dtype: torch.dtype = torch.float32
+        self.lora: dict | None = None  # {"rank", "alpha", "targets"} once `add_lora` ran
 
     @property
     def device(self) -> torch.device:
@@ -279,6 +284,78 @@ class TinyFlowModel(nn.Module):
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
+    # -- LoRA (peft) -------------------------------------------------------------------------------------------
+
+    def add_lora(self, rank: int, alpha: float, targets: Sequence[str] | None = None) -> "TinyFlowModel":
+        """Inject a peft LoRA adapter ("default") into the DiT's linear layers (`DEFAULT_LORA_TARGETS` if `targets`
+        is empty): W x + (α/r)·B A x with B = 0 at init (peft `inject_adapter_in_model`), so the velocity is unchanged
+        until B is trained. The text encoder (nn.MultiheadAttention) is never wrapped. Returns self."""
+        try:
+            from peft import LoraConfig, inject_adapter_in_model
+        except ImportError:
+            raise ValueError("model.trainable=lora needs peft: pip install 'flowcredit[diffusers]'") from None
+        targets = list(targets) if targets else list(DEFAULT_LORA_TARGETS)
+        try:
+            inject_adapter_in_model(
+                LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets), self.net
+            )
+        except ValueError as e:  # peft: "Target modules ... not found in the base model"
+            raise ValueError(f"model.lora_targets={targets} matched no linear layer of the tiny DiT ({str(e).splitlines()[0]}); "
+                             f"use names like {list(DEFAULT_LORA_TARGETS)}") from None
+        self.lora = {"rank": int(rank), "alpha": float(alpha), "targets": targets}
+        return self
+
+    @property
+    def has_lora(self) -> bool:
+        return self.lora is not None
+
+    def _lora_layers(self) -> list[nn.Module]:
+        from peft.tuners.lora import LoraLayer
+
+        return [m for m in self.net.modules() if isinstance(m, LoraLayer)]
+
+    @property
+    def reference(self):
+        """Context manager yielding π_ref = this model with its LoRA adapter disabled (Flow-GRPO: `disable_adapter()`).
+
+        Only LoRA models have it: for a full fine-tune `hasattr(model, "reference")` is False and the trainer keeps a
+        frozen copy of the initial weights instead.
+        """
+        if not self.has_lora:
+            raise AttributeError("reference: only LoRA models give the reference by disabling the adapter")
+        return self._adapter_disabled
+
+    @contextlib.contextmanager
+    def _adapter_disabled(self) -> Iterator["TinyFlowModel"]:
+        # peft's BaseTunerLayer.enable_adapters(False/True) also flips requires_grad of the adapter weights: restore
+        # the exact flags so the optimizer sees no change.
+        flags = [(p, p.requires_grad) for p in self.net.parameters()]
+        layers = self._lora_layers()
+        for m in layers:
+            m.enable_adapters(False)
+        try:
+            yield self
+        finally:
+            for m in layers:
+                m.enable_adapters(True)
+            for p, g in flags:
+                p.requires_grad_(g)
+
+    def merged_state_dict(self) -> dict[str, Tensor]:
+        """The plain TinyDiT state dict with the adapter folded in (W ← W + (α/r)·B A, peft `get_delta_weight`):
+        loads into a TinyFlowModel without LoRA and gives the same velocity. Without LoRA: `net.state_dict()`."""
+        state = {k: v.detach().clone() for k, v in self.net.state_dict().items()}
+        if not self.has_lora:
+            return state
+        names = {m: n for n, m in self.net.named_modules()}
+        for m in self._lora_layers():
+            n = names[m]
+            w = state.pop(f"{n}.base_layer.weight")
+            state[f"{n}.weight"] = w + m.get_delta_weight("default").to(w.dtype)
+            if f"{n}.base_layer.bias" in state:
+                state[f"{n}.bias"] = state.pop(f"{n}.base_layer.bias")
+        return {k: v for k, v in state.items() if "lora_" not in k}
+
     # -- persistence -------------------------------------------------------------------------------------------
 
     def save(self, directory: str | Path, name: str = SHIPPED_NAME, extra: dict | None = None) -> Path:
@@ -287,7 +364,7 @@ class TinyFlowModel(nn.Module):
 
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().float().contiguous() for k, v in self.net.state_dict().items()}
+        state = {k: v.float().contiguous() for k, v in self.merged_state_dict().items()}  # a LoRA model saves merged
         save_file(state, str(d / f"{name}.safetensors"))
         meta = {"config": asdict(self.cfg), **(extra or {})}
         (d / f"{name}.json").write_text(json.dumps(meta, indent=2))

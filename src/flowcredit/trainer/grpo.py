@@ -142,8 +142,8 @@ class GRPOTrainer:
         self.trainable = set_trainable(self.model, cfg.model.trainable)
         self.trainable_names = [n for n, p in self.model.net.named_parameters() if p.requires_grad]
         self.model.train()
-        # Reference policy for the KL (a frozen copy of the initial weights; LoRA would disable the adapter).
-        # LoRA models give the reference by disabling the adapter (`model.reference()` context, no copy).
+        # Reference policy for the KL: a frozen copy of the initial weights, or, for LoRA models, the model itself with
+        # its adapter disabled (`model.reference()` context, no copy).
         self.ref_model = None
         if cfg.optim.kl_beta > 0 and not hasattr(self.model, "reference"):
             self.ref_model = copy.deepcopy(self.model).requires_grad_(False).eval()
@@ -675,6 +675,7 @@ class GRPOTrainer:
             "optimizer": checkpoint.optimizer_state(self.model.net, self.opt, self.trainable_names),
             "ema": self._ema_state(),
             "model_config": dataclasses.asdict(self.model.cfg),
+            "lora": getattr(self.model, "lora", None) if self.cfg.model.name == "tiny" else None,  # tiny: rebuild the adapter to load
             "credit_state": self.credit_state,
             "torch_rng": self.gen.get_state(),
             "global_torch_rng": torch.get_rng_state(),
