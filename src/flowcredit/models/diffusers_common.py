@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ..types import Cond
+from .lora import adapters_disabled
 
 
 class ModelLayoutError(FileNotFoundError):
@@ -269,16 +270,8 @@ class DiffusersFlowModel(nn.Module):
 
     @contextlib.contextmanager
     def _adapter_disabled(self) -> Iterator["DiffusersFlowModel"]:
-        # diffusers' disable_adapters()/enable_adapters() (loaders/peft.py) also flip requires_grad of the adapter
-        # weights (peft BaseTunerLayer.enable_adapters); restore the exact flags so the optimizer sees no change.
-        flags = [(p, p.requires_grad) for p in self.net.parameters()]
-        self.net.disable_adapters()
-        try:
+        with adapters_disabled(self.net, self.net.disable_adapters, self.net.enable_adapters):
             yield self
-        finally:
-            self.net.enable_adapters()
-            for p, g in flags:
-                p.requires_grad_(g)
 
     def __deepcopy__(self, memo):
         """Copy the transformer; share the frozen text encoders, VAE, tokenizers, scheduler and prompt cache."""

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..types import Cond
+from .lora import adapters_disabled
 
 # ---------------------------------------------------------------------------------------------------------------
 # Tokenizer: word level, built from the closed vocabulary
@@ -327,19 +328,14 @@ class TinyFlowModel(nn.Module):
 
     @contextlib.contextmanager
     def _adapter_disabled(self) -> Iterator["TinyFlowModel"]:
-        # peft's BaseTunerLayer.enable_adapters(False/True) also flips requires_grad of the adapter weights: restore
-        # the exact flags so the optimizer sees no change.
-        flags = [(p, p.requires_grad) for p in self.net.parameters()]
         layers = self._lora_layers()
-        for m in layers:
-            m.enable_adapters(False)
-        try:
-            yield self
-        finally:
+
+        def switch(on: bool):
             for m in layers:
-                m.enable_adapters(True)
-            for p, g in flags:
-                p.requires_grad_(g)
+                m.enable_adapters(on)
+
+        with adapters_disabled(self.net, lambda: switch(False), lambda: switch(True)):
+            yield self
 
     def merged_state_dict(self) -> dict[str, Tensor]:
         """The plain TinyDiT state dict with the adapter folded in (W ← W + (α/r)·B A, peft `get_delta_weight`):
