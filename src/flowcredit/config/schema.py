@@ -23,12 +23,12 @@ class ModelCfg:
     path: Optional[str] = _h(None, "Weights: a .safetensors file (tiny) or a local diffusers folder; null = the shipped tiny checkpoint.")
     precision: Literal["fp32", "bf16"] = _h("bf16", "Autocast dtype of the network forward/backward; step math is always fp32.")
     trainable: Literal["all", "lora", "blocks"] = _h(
-        "all", "What RL trains: all weights (full fine-tune), LoRA adapters (peft), or the transformer blocks only (tiny: text encoder and embeddings frozen)."
+        "all", "What RL trains: all weights (full fine-tune), LoRA adapters (peft; base weights frozen, π_ref = adapter disabled), or the transformer blocks only (tiny: text encoder and embeddings frozen)."
     )
     lora_rank: int = _h(32, "LoRA rank r (ALGORITHMS.md A9: r32).")
     lora_alpha: float = _h(64.0, "LoRA alpha (A9: α64).")
     lora_targets: Optional[list[str]] = _h(
-        None, "Module names LoRA wraps; null = the family default (SD3: flow_grpo's attention projections).", 
+        None, "Module names LoRA wraps; null = the family default (SD3: flow_grpo's attention projections; tiny: the blocks' qkv, proj, mlp.0, mlp.2).", 
     )
     gradient_checkpointing: bool = _h(False, "Recompute activations in the backward pass to save memory (real models).")
     resolution: Optional[int] = _h(None, "Image side in pixels for SD3/FLUX (papers: 512); null = the transformer's native size.")
