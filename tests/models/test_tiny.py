@@ -205,3 +205,11 @@ def test_lora_bad_targets_one_line_error():
     pytest.importorskip("peft")
     with pytest.raises(ValueError, match=r"model.lora_targets=\['nope'\] matched no linear layer of the tiny DiT.*use names like"):
         _perturbed_model().add_lora(4, 8.0, ["nope"])
+
+
+def test_lora_without_peft_one_line_error(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` raises ImportError
+    with pytest.raises(ValueError, match=r"^model.trainable=lora needs peft: pip install 'flowcredit\[diffusers\]'$"):
+        _perturbed_model().add_lora(4, 8.0)
