@@ -378,3 +378,30 @@ def test_lora_trains_only_the_adapter_and_checkpoints_load_as_a_plain_model(tmp_
     assert resumed.iteration == 2
     a, b = resumed.model.net.state_dict(), tr.model.net.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_budget_stops_training_in_time_for_the_final_evaluation(tmp_path, model_path):
+    """run.budget_minutes: the first iteration always runs; afterwards training stops once one more iteration plus
+    the predicted final evaluation would overrun the budget, and the evaluation still runs (eval.json written)."""
+    tr = make_trainer(tmp_path, model_path, "run.iterations=50", "run.budget_minutes=0.001", "run.eval_at_end=true",
+                      "run.eval_baseline=true", "run.checkpoint_every=0")
+    per_model = len(tr.eval_prompts) * tr.cfg.run.eval_steps
+    assert tr.eval_forwards() == 2 * per_model  # trained + initial model, no baseline cache
+    result = tr.train()
+    assert result["iterations"] == 1 and result["stopped_by_budget"] is True
+    assert (tr.out / "eval.json").is_file()
+
+
+def test_budget_prediction_uses_the_measured_rates(tmp_path, model_path, monkeypatch):
+    tr = make_trainer(tmp_path, model_path, "run.budget_minutes=1.0", "run.eval_at_end=true", "run.eval_baseline=false")
+    fwd = tr.eval_forwards()
+    assert fwd == len(tr.eval_prompts) * tr.cfg.run.eval_steps  # trained model only
+    now = tr.t_created + 30.0
+    monkeypatch.setattr("flowcredit.trainer.grpo.time.time", lambda: now)
+    # 30 s elapsed + 5 s per iteration + (1.1 · fwd / rate + 10 s) of evaluation vs a 60 s budget
+    fits = fwd / ((60 - 30 - 5 - 10 - 1) / 1.1)  # a rate that leaves 1 s spare
+    assert tr.over_budget([5.0, 5.0, 5.0], [fits, fits]) is False
+    assert tr.over_budget([5.0, 5.0, 5.0], [fits / 2, fits / 2]) is True
+    assert tr.over_budget([], []) is False  # nothing measured yet: the first iteration runs
+    tr.cfg.run.budget_minutes = 0.0
+    assert tr.over_budget([5.0], [1e-9]) is False  # no budget

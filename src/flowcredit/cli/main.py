@@ -134,7 +134,9 @@ def load_any_model(path: str | None, precision: str = "fp32"):
             model.eval()
         else:
             model = TinyFlowModel.load(p)
-    model.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    from ..models.precision import resolve_precision
+
+    model.compute_dtype = torch.bfloat16 if resolve_precision(precision) == "bf16" else torch.float32
     return model
 
 
@@ -299,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale")
         p.add_argument("--steps", type=int, default=40, help="ODE steps")
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+        p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="fp32",
+                       help="autocast dtype of the model; auto = bf16 only where the hardware runs it fast")
 
     e = sub.add_parser("eval", help="score a model on a prompt file or split (GenEval layout + summary)")
     model_args(e)

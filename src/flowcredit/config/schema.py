@@ -21,7 +21,9 @@ def _h(default, text: str, **kw):
 class ModelCfg:
     name: Literal["tiny", "sd3", "flux"] = _h("tiny", "Model family: the built-in tiny shapes model, SD3/SD3.5 or FLUX.1 (diffusers).")
     path: Optional[str] = _h(None, "Weights: a .safetensors file (tiny) or a local diffusers folder; null = the shipped tiny checkpoint.")
-    precision: Literal["fp32", "bf16"] = _h("bf16", "Autocast dtype of the network forward/backward; step math is always fp32.")
+    precision: Literal["auto", "fp32", "bf16"] = _h(
+        "auto", "Autocast dtype of the network forward/backward; step math is always fp32. auto = bf16 where the hardware runs it fast (GPU with bf16, CPU with AVX-512/AMX), else fp32 (models/precision.py)."
+    )
     trainable: Literal["all", "lora", "blocks"] = _h(
         "all", "What RL trains: all weights (full fine-tune), LoRA adapters (peft; base weights frozen, π_ref = adapter disabled), or the transformer blocks only (tiny: text encoder and embeddings frozen)."
     )
@@ -156,6 +158,9 @@ class RunCfg:
     seed: int = _h(0, "Global seed (prompt order, noise, everything).")
     iterations: int = _h(100, "Training iterations (rollout → reward → credit → update).")
     max_minutes: float = _h(0.0, "Stop training after this many minutes (0 = no limit); evaluation still runs.")
+    budget_minutes: float = _h(
+        0.0, "Wall-clock budget of the whole job, final evaluation included (0 = none): training stops before the next iteration would leave less time than the final evaluation is predicted to take (from the rollout's measured forward rate)."
+    )
     threads: int = _h(0, "torch threads (0 = leave torch's default).")
     device: str = _h("cpu", "Device for the tiny model (real models: accelerate decides).")
     log_every: int = _h(1, "Write metrics every N iterations.")

@@ -12,7 +12,12 @@ def build_model(cfg: ModelCfg, device: str = "cpu"):
 
     tiny: the built-in model. sd3 / flux: the diffusers adapters. LoRA (peft) is added at build time when
     cfg.trainable == "lora" (tiny: `TinyFlowModel.add_lora`; diffusers: models/diffusers_common.py).
+    `cfg.precision = "auto"` is resolved in place (to "bf16" or "fp32", models/precision.py), so a config saved
+    after the build records what ran.
     """
+    from .precision import resolve_precision
+
+    cfg.precision = resolve_precision(cfg.precision, device)  # 'auto' → what this hardware runs fast
     if cfg.name == "tiny":
         from .tiny import TinyFlowModel
 

@@ -99,6 +99,7 @@ class GRPOTrainer:
     def __init__(self, cfg: TrainConfig, preset_name: str = "custom"):
         self.cfg = cfg
         self.preset_name = preset_name
+        self.t_created = time.time()  # run.budget_minutes counts from here (setup included)
 
     # ------------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -228,13 +229,22 @@ class GRPOTrainer:
         except ImportError:
             pass
         signals, stopped = StopSignal(cfg.faults.handle_signals), None  # SIGTERM/SIGINT: stop after the iteration
+        stopped_by_budget = False
         with signals:
             if cfg.run.eval_every and self.iteration == 0 and self.dist.evaluates:
                 self.periodic_eval()  # the curve starts at the initial model
+            iter_seconds: list[float] = []  # wall seconds per iteration (logging, grids and checkpoints included)
+            fwd_rates: list[float] = []  # model forward-images per second measured in the rollout phase
             while self.iteration < cfg.run.iterations:
                 if self.dist.any(bool(cfg.run.max_minutes) and (time.time() - t_start) > 60 * cfg.run.max_minutes):
                     break
+                if self.dist.any(self.over_budget(iter_seconds, fwd_rates)):
+                    stopped_by_budget = True
+                    break
+                t_iter = time.time()
                 stats = self.train_step()
+                if stats["seconds"].get("rollout", 0) > 0:
+                    fwd_rates.append(stats["nfe_rollout"] / stats["seconds"]["rollout"])
                 self.iteration += 1
                 if self.iteration % cfg.run.log_every == 0:
                     self.log(stats)
@@ -248,6 +258,7 @@ class GRPOTrainer:
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", strict=f"{stats.get('strict_mean', float('nan')):.2f}")
+                iter_seconds.append(time.time() - t_iter)
                 if self.dist.any(signals.requested is not None):  # every rank stops at the same iteration
                     stopped = signals.requested or "signal"
                     break
@@ -255,6 +266,8 @@ class GRPOTrainer:
                 bar.close()
             self.save_checkpoint()
         result: dict[str, Any] = {"iterations": self.iteration, "train_seconds": time.time() - t_start}
+        if stopped_by_budget:
+            result["stopped_by_budget"] = True
         if stopped:
             result["stopped"] = stopped
         elif cfg.run.eval_at_end and self.dist.evaluates:
@@ -265,6 +278,37 @@ class GRPOTrainer:
             self.tb.close()
         self.dist.close()
         return result
+
+    def eval_forwards(self) -> int:
+        """Model forward-images the final evaluation costs: every eval prompt line × ODE steps × (2 with CFG), for
+        the trained model and, unless cached, the initial one."""
+        rc = self.cfg.run
+        if not (rc.eval_at_end and self.dist.evaluates):
+            return 0
+        per_model = len(self.eval_prompts) * rc.eval_steps * (2 if rc.eval_guidance != 1.0 else 1)
+        models = 1
+        if self.initial_state is not None:
+            cache = self._baseline_cache_file(dict(reward=None, steps=rc.eval_steps, guidance=rc.eval_guidance, seed=rc.seed + 12345, shift=self.cfg.sampler.shift))
+            models += 0 if cache is not None and cache.is_file() else 1
+        return per_model * models
+
+    def over_budget(self, iter_seconds: list[float], fwd_rates: list[float]) -> bool:
+        """run.budget_minutes: True when one more iteration plus the final evaluation would not fit in the budget.
+
+        The iteration time is the median of the measured ones; the evaluation time is its forward count
+        (`eval_forwards`) over the median forward-images/s of the rollouts (the evaluation samples with the same model
+        at the same batch size), plus 10% and 10 s for rewards and writing. Before the first iteration nothing is
+        predicted (the first one always runs).
+        """
+        budget = 60.0 * self.cfg.run.budget_minutes
+        if budget <= 0 or not iter_seconds or not fwd_rates:
+            return False
+        import statistics
+
+        if getattr(self, "_eval_forwards", None) is None:
+            self._eval_forwards = self.eval_forwards()  # hashes the initial weights once (baseline cache lookup)
+        eval_s = 1.1 * self._eval_forwards / statistics.median(fwd_rates) + 10.0
+        return (time.time() - self.t_created) + statistics.median(iter_seconds) + eval_s > budget
 
     def train_step(self) -> dict[str, Any]:
         """One iteration: rollout → rewards → (intermediate rewards) → credit → update.
