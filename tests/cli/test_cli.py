@@ -67,6 +67,8 @@ def _expect_one_line_error(capsys, argv, *fragments):
         (["data.batch_size=10", "data.group_size=4"], ["data.batch_size=10", "not divisible", "group_size=4"]),
         (["model.path={tmp}/missing.safetensors"], ["missing.safetensors", "not found"]),
         (["nope_preset"], ["nope_preset", "tiny_flow_grpo"]),
+        (["data.tag_weights={positon: 2}"], ["data.tag_weights", "'positon'", "its tags: color_attr"]),
+        (["data.tag_weights={position: -1}"], ["data.tag_weights", ">= 0"]),
     ],
 )
 def test_train_bad_input_one_line_error_no_run_folder(tmp_path, monkeypatch, capsys, overrides, fragments):

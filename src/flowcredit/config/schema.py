@@ -81,6 +81,9 @@ class DataCfg:
     group_size: int = _h(8, "Samples per prompt G (GRPO group).")
     batch_size: Optional[int] = _h(None, "Samples per iteration B; if set it must be divisible by group_size and sets prompts_per_iter = B / G.")
     balance_tags: bool = _h(True, "For GenEval-schema prompts: draw the tag uniformly, then a prompt of that tag (Flow-GRPO mixes tasks by weight).")
+    tag_weights: Optional[dict[str, float]] = _h(
+        None, "With balance_tags: relative weight of each tag when drawing it, e.g. {single_object: 0, position: 2}; tags not named keep weight 1, weight 0 drops a tag; null = uniform."
+    )
 
     def __post_init__(self):
         if self.group_size < 2:
@@ -94,6 +97,12 @@ class DataCfg:
             self.prompts_per_iter = self.batch_size // self.group_size
         if self.prompts_per_iter < 1:
             raise ValueError(f"data.prompts_per_iter must be >= 1, got {self.prompts_per_iter}")
+        if self.tag_weights is not None:
+            bad = {k: v for k, v in self.tag_weights.items() if not v >= 0}
+            if bad:
+                raise ValueError(f"data.tag_weights: weights must be >= 0, got {bad}")
+            if not self.balance_tags:
+                raise ValueError("data.tag_weights needs data.balance_tags=true (tags are drawn first, then a prompt of the tag)")
 
 
 @dataclass

@@ -17,7 +17,11 @@ class PromptSampler:
     so a split dominated by one tag (shapes: 640 of 738 train prompts are color_attr) still trains every skill.
     """
 
-    def __init__(self, prompts: PromptSet, seed: int, balance_tags: bool = True):
+    def __init__(self, prompts: PromptSet, seed: int, balance_tags: bool = True, tag_weights: dict[str, float] | None = None):
+        """`tag_weights` (with balance_tags): relative probability of each tag (missing tags: 1, 0: never drawn).
+
+        Raises ValueError (one line) for a tag the prompts do not have or weights that leave nothing to draw.
+        """
         self.prompts = prompts
         self.rng = np.random.default_rng(np.random.SeedSequence([int(seed), 1]))
         self.by_tag: dict[str, list[int]] = {}
@@ -25,11 +29,23 @@ class PromptSampler:
             key = m.get("tag", "") if balance_tags else ""
             self.by_tag.setdefault(key, []).append(i)
         self.tags = sorted(self.by_tag)
+        self.p = None  # None: uniform over tags (the draws of a run without tag_weights are unchanged)
+        if tag_weights:
+            unknown = sorted(set(tag_weights) - set(self.tags))
+            if unknown:
+                raise ValueError(
+                    f"data.tag_weights: tag {unknown[0]!r} is not in {prompts.source}; its tags: {', '.join(self.tags)}"
+                )
+            w = np.array([float(tag_weights.get(t, 1.0)) for t in self.tags])
+            if w.sum() <= 0:
+                raise ValueError("data.tag_weights: every tag has weight 0; give at least one tag a positive weight")
+            self.p = w / w.sum()
 
     def draw(self, num_prompts: int, group_size: int) -> tuple[list[str], list[dict[str, Any]], torch.Tensor]:
         """Returns B = num_prompts·group_size prompts, metadata and group ids (B,) int64 (group-major order)."""
         idx = []
-        for k in self.rng.integers(len(self.tags), size=num_prompts):
+        ks = self.rng.integers(len(self.tags), size=num_prompts) if self.p is None else self.rng.choice(len(self.tags), size=num_prompts, p=self.p)
+        for k in ks:
             pool = self.by_tag[self.tags[k]]
             idx.append(pool[int(self.rng.integers(len(pool)))])
         prompts = [self.prompts.prompts[i] for i in idx for _ in range(group_size)]

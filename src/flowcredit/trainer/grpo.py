@@ -115,6 +115,10 @@ class GRPOTrainer:
         except PromptFileError as e:
             raise TrainingError(f"data.train_prompts: {e}") from None
         try:
+            self.prompt_sampler = PromptSampler(self.train_prompts, cfg.run.seed, cfg.data.balance_tags, cfg.data.tag_weights)
+        except ValueError as e:
+            raise TrainingError(str(e)) from None
+        try:
             self.reward_fn = self._build_reward(build_reward)
         except ValueError as e:
             raise TrainingError(str(e)) from None
@@ -166,7 +170,6 @@ class GRPOTrainer:
             eps=cfg.optim.eps,
         )
         self.ema = [p.detach().clone() for p in self.trainable] if cfg.optim.ema_decay > 0 else None
-        self.prompt_sampler = PromptSampler(self.train_prompts, cfg.run.seed, cfg.data.balance_tags)
         self.gold, self.alarm = None, None
         if cfg.run.gold_reward:
             self.gold = GoldMonitor.from_prompts(build_reward(cfg.run.gold_reward), cfg.run.gold_prompts, every=cfg.run.gold_every, limit=cfg.run.gold_limit)
