@@ -398,8 +398,8 @@ def test_budget_prediction_uses_the_measured_rates(tmp_path, model_path, monkeyp
     assert fwd == len(tr.eval_prompts) * tr.cfg.run.eval_steps  # trained model only
     now = tr.t_created + 30.0
     monkeypatch.setattr("flowcredit.trainer.grpo.time.time", lambda: now)
-    # 30 s elapsed + 5 s per iteration + (fwd / rate + 10 s) of evaluation vs a 60 s budget
-    fits = fwd / (60 - 30 - 5 - 10 - 1)  # a rate that leaves 1 s spare
+    # 30 s elapsed + 5 s per iteration + (1.1 · fwd / rate + 10 s) of evaluation vs a 60 s budget
+    fits = fwd / ((60 - 30 - 5 - 10 - 1) / 1.1)  # a rate that leaves 1 s spare
     assert tr.over_budget([5.0, 5.0, 5.0], [fits, fits]) is False
     assert tr.over_budget([5.0, 5.0, 5.0], [fits / 2, fits / 2]) is True
     assert tr.over_budget([], []) is False  # nothing measured yet: the first iteration runs
