@@ -55,7 +55,7 @@ class PretrainConfig:
     prompt_dropout: float = _h(0.1, "probability of replacing a prompt by '' (trains the unconditional branch for CFG)")
     time_shift: float = _h(3.0, "SD3 resolution shift of the logit-normal t density (3 early, 1 later; see the shipped JSON)")
     seed: int = _h(0, "seed of the initial weights, the layouts, the noise and t")
-    bf16: bool = _h(True, "bf16 autocast for the forward/backward (weights and optimizer stay fp32)")
+    bf16: bool = _h(True, "bf16 autocast for the forward/backward (weights and optimizer stay fp32); on a CPU without AVX-512/AMX pass false (bf16 is emulated there, 4.4× slower; models/precision.py)")
     threads: int = _h(2, "torch CPU threads")
     checkpoint_every: int = _h(500, "write state.pt and an EMA snapshot every N steps")
     log_every: int = _h(50, "append the mean loss to log.jsonl every N steps")
