@@ -84,7 +84,7 @@ def load_dtypes(precision: str, trainable: str) -> dict[str, torch.dtype]:
     if precision == "fp32":
         return {"default": torch.float32}
     if precision != "bf16":
-        raise ValueError(f"model.precision={precision!r}; valid: fp32, bf16")
+        raise ValueError(f"model.precision={precision!r}; valid here: fp32, bf16 ('auto' is resolved by models.factory.build_model)")
     return {
         "default": torch.bfloat16,
         "vae": torch.float32,

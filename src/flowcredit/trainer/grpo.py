@@ -33,6 +33,7 @@ import hashlib
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -100,6 +101,7 @@ class GRPOTrainer:
         self.cfg = cfg
         self.preset_name = preset_name
         self.t_created = time.time()  # run.budget_minutes counts from here (setup included)
+        self._eval_forwards: int | None = None  # eval_forwards(), computed once (it hashes the initial weights)
 
     # ------------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -282,6 +284,12 @@ class GRPOTrainer:
         self.dist.close()
         return result
 
+    def _eval_kwargs(self) -> dict[str, Any]:
+        """Settings of every evaluation of a run (periodic and final): the reward, ODE steps, CFG scale, the fixed
+        noise seed (run.seed + 12345) and the time-grid shift."""
+        rc = self.cfg.run
+        return dict(reward=self.reward_fn, steps=rc.eval_steps, guidance=rc.eval_guidance, seed=rc.seed + 12345, shift=self.cfg.sampler.shift)
+
     def eval_forwards(self) -> int:
         """Model forward-images the final evaluation costs: every eval prompt line × ODE steps × (2 with CFG), for
         the trained model and, unless cached, the initial one."""
@@ -291,7 +299,7 @@ class GRPOTrainer:
         per_model = len(self.eval_prompts) * rc.eval_steps * (2 if rc.eval_guidance != 1.0 else 1)
         models = 1
         if self.initial_state is not None:
-            cache = self._baseline_cache_file(dict(reward=None, steps=rc.eval_steps, guidance=rc.eval_guidance, seed=rc.seed + 12345, shift=self.cfg.sampler.shift))
+            cache = self._baseline_cache_file(self._eval_kwargs())
             models += 0 if cache is not None and cache.is_file() else 1
         return per_model * models
 
@@ -307,10 +315,8 @@ class GRPOTrainer:
         budget = 60.0 * self.cfg.run.budget_minutes
         if budget <= 0 or not iter_seconds or not fwd_rates:
             return False
-        import statistics
-
-        if getattr(self, "_eval_forwards", None) is None:
-            self._eval_forwards = self.eval_forwards()  # hashes the initial weights once (baseline cache lookup)
+        if self._eval_forwards is None:
+            self._eval_forwards = self.eval_forwards()
         eval_s = 1.1 * self._eval_forwards / statistics.median(fwd_rates) + 10.0
         return (time.time() - self.t_created) + statistics.median(iter_seconds) + eval_s > budget
 
@@ -646,7 +652,7 @@ class GRPOTrainer:
         backup = self._swap_in_ema()
         self.model.eval()
         t0 = time.time()
-        s = evaluate(self.model, sub, reward=self.reward_fn, steps=self.cfg.run.eval_steps, guidance=self.cfg.run.eval_guidance, seed=self.cfg.run.seed + 12345, shift=self.cfg.sampler.shift)
+        s = evaluate(self.model, sub, **self._eval_kwargs())
         self._swap_back(backup)
         rec = {"iteration": self.iteration, "eval_reward": s["reward_mean"], "eval_strict": s.get("strict_overall"), "eval_seconds": time.time() - t0}
         if self.dist.is_main:
@@ -663,8 +669,7 @@ class GRPOTrainer:
         same prompts with the same noise, via the same code path as `flowcredit eval`."""
         from ..eval.evaluate import evaluate
 
-        rc = self.cfg.run
-        kw = dict(reward=self.reward_fn, steps=rc.eval_steps, guidance=rc.eval_guidance, seed=rc.seed + 12345, shift=self.cfg.sampler.shift)
+        kw = self._eval_kwargs()
         backup = self._swap_in_ema()
         self.model.eval()
         t0 = time.time()
