@@ -17,7 +17,7 @@ from flowcredit.models.tiny import TinyDiTConfig, TinyFlowModel
 def _cfg(out, steps):
     return PretrainConfig(
         out_dir=str(out), steps=steps, batch_size=4, model={"width": 32, "depth": 1, "heads": 2},
-        checkpoint_every=2, log_every=1, bf16=False, threads=1,
+        checkpoint_every=2, log_every=1, precision="fp32", threads=1,
     )
 
 
@@ -113,7 +113,7 @@ def test_init_from_weights_continues_from_them(tmp_path):
     src = TinyFlowModel(TinyDiTConfig(width=32, depth=1, heads=2))
     src.save(tmp_path, name="init")
     out = tmp_path / "run"
-    cfg = PretrainConfig(out_dir=str(out), steps=1, batch_size=2, lr=0.0, bf16=False, threads=1, checkpoint_every=1,
+    cfg = PretrainConfig(out_dir=str(out), steps=1, batch_size=2, lr=0.0, precision="fp32", threads=1, checkpoint_every=1,
                          log_every=1, init=str(tmp_path / "init.safetensors"))
     pretrain(cfg, progress=False)
     snap = TinyFlowModel.load(out / "ema" / "step000001.safetensors")
@@ -151,6 +151,18 @@ def test_worker_processes_render_the_batches(tmp_path):
     assert torch.load(tmp_path / "w" / "state.pt", weights_only=False)["step"] == 4
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_precision_auto_follows_the_hardware(tmp_path, monkeypatch, fast):
+    import flowcredit.models.precision as precision_mod
+
+    monkeypatch.setattr(precision_mod, "fast_bf16", lambda device="cpu": fast)
+    cfg = PretrainConfig(out_dir=str(tmp_path / "p"), steps=1, batch_size=2, precision="auto", threads=1, checkpoint_every=1,
+                         log_every=1, model={"width": 32, "depth": 1, "heads": 2})
+    pretrain(cfg, progress=False)
+    written = json.loads((tmp_path / "p" / "config.json").read_text())
+    assert written["precision"] == "auto" and written["resolved_precision"] == ("bf16" if fast else "fp32")
+
+
 def test_resolve_device():
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
@@ -166,6 +178,7 @@ def test_resolve_device():
         (["--steps", "0"], ["steps: must be >= 1"]),
         (["--init", "no/such/model.safetensors"], ["init: 'no/such/model.safetensors' not found", "'shipped'"]),
         (["--max_minutes", "-2"], ["max_minutes: must be >= 0"]),
+        (["--precision", "fp16"], ["precision: 'fp16' is not one of auto, fp32, bf16", "--precision auto"]),
     ],
 )
 def test_cli_bad_settings_one_line_and_nothing_written(tmp_path, capsys, args, fragments):

@@ -8,7 +8,8 @@ The run is seeded and resumable: `state.pt` holds weights, EMA, optimizer, step 
 atomically (temp file + rename) every `checkpoint_every` steps and when `max_minutes` runs out. The EMA weights are
 what we evaluate and ship.
 
-Devices: `device=auto` trains on CUDA when present, else on the CPU (same code; bf16 autocast on both). On an
+Devices: `device=auto` trains on CUDA when present, else on the CPU (same code; `precision=auto` picks bf16 autocast
+where the device runs it fast, fp32 elsewhere). On an
 accelerator the CPU renderer is the bottleneck, so `workers > 0` renders batches in that many DataLoader processes.
 With `workers = 0` (the default) the data stream comes from one seeded generator and resume is bit-exact; with
 workers each process draws from its own generator seeded by (seed, tag, start step, worker id), so a resumed run is
@@ -31,6 +32,7 @@ import torch
 from ..shapes.prompts import load_prompts
 from ..shapes.render import render_batch
 from ..shapes.vocab import TAGS
+from .precision import PRECISIONS, resolve_precision
 from .tiny import TinyDiTConfig, TinyFlowModel
 
 
@@ -55,7 +57,7 @@ class PretrainConfig:
     prompt_dropout: float = _h(0.1, "probability of replacing a prompt by '' (trains the unconditional branch for CFG)")
     time_shift: float = _h(3.0, "SD3 resolution shift of the logit-normal t density (3 early, 1 later; see the shipped JSON)")
     seed: int = _h(0, "seed of the initial weights, the layouts, the noise and t")
-    bf16: bool = _h(True, "bf16 autocast for the forward/backward (weights and optimizer stay fp32); on a CPU without AVX-512/AMX pass false (bf16 is emulated there, 4.4× slower; models/precision.py)")
+    precision: str = _h("auto", "autocast dtype of the forward/backward (weights and optimizer stay fp32): auto | fp32 | bf16; auto = bf16 on CUDA with bf16 and on CPUs with AVX-512 BF16/AMX, else fp32 (bf16 is emulated there, 4.4× slower; models/precision.py)")
     threads: int = _h(2, "torch CPU threads")
     checkpoint_every: int = _h(500, "write state.pt and an EMA snapshot every N steps")
     log_every: int = _h(50, "append the mean loss to log.jsonl every N steps")
@@ -142,6 +144,8 @@ def validate(cfg: PretrainConfig) -> torch.device:
         raise ValueError(f"max_minutes: must be >= 0 (got {cfg.max_minutes}); 0 means no time limit")
     if cfg.init and cfg.init != "shipped" and not Path(cfg.init).exists():
         raise FileNotFoundError(f"init: '{cfg.init}' not found; pass a tiny-model .safetensors, 'shipped' or ''")
+    if cfg.precision not in PRECISIONS:
+        raise ValueError(f"precision: {cfg.precision!r} is not one of {', '.join(PRECISIONS)}; pass --precision auto, fp32 or bf16")
     return resolve_device(cfg.device)
 
 
@@ -151,17 +155,19 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
     torch.set_num_threads(cfg.threads)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    precision = resolve_precision(cfg.precision, device)  # 'auto' → bf16 / fp32 for this device
+    (out / "config.json").write_text(json.dumps({**asdict(cfg), "resolved_precision": precision}, indent=2))
     model_cfg = TinyDiTConfig(**cfg.model)
     torch.manual_seed(cfg.seed)  # the initial weights come from cfg.seed, not from whatever the global RNG holds
     model = TinyFlowModel(model_cfg)
-    model.compute_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model.compute_dtype = dtype
     if cfg.init:  # continue from given weights (a fresh optimizer); the architecture comes from their JSON
         init = TinyFlowModel.load(None if cfg.init == "shipped" else cfg.init)
         model_cfg = init.cfg
         model = TinyFlowModel(model_cfg)
         model.net.load_state_dict(init.net.state_dict())
-        model.compute_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+        model.compute_dtype = dtype
     model.to(device)
     ema = copy.deepcopy(model.net).requires_grad_(False)
     opt = torch.optim.AdamW(model.net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
