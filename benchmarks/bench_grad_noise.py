@@ -29,9 +29,9 @@ from flowcredit.config.schema import TrainConfig
 from flowcredit.trainer.grpo import GRPOTrainer
 
 
-def gradients(preset: str, iters: int, threads: int, overrides: list[str]) -> tuple[torch.Tensor, int, dict[str, slice]]:
+def gradients(preset: str, iters: int, threads: int, overrides: list[str]) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
     """K flattened gradients (K, P) of `iters` iterations at the initial weights, the samples per iteration and the
-    column slice of each parameter group (module path without the layer index: "blocks.attn", "text", ...)."""
+    column indices of each parameter group (module path without layer indices: "blocks.qkv", "text", ...)."""
     with tempfile.TemporaryDirectory() as d:
         ov = [f"run.out_dir={d}", "run.eval_at_end=false", f"run.threads={threads}", "run.grid_every=0",
               "run.checkpoint_every=100000", "optim.inner_epochs=1", "optim.updates_per_epoch=1", *overrides]
@@ -48,17 +48,16 @@ def gradients(preset: str, iters: int, threads: int, overrides: list[str]) -> tu
             tr.train_step()
             tr.iteration += 1  # next iteration: new prompts and new noise
         B = tr.cfg.data.prompts_per_iter * tr.cfg.data.group_size
-        ids = {id(p) for p in tr.trainable}
-        names = [n for n, p in tr.model.net.named_parameters() if id(p) in ids] if hasattr(tr.model, "net") else []
-    groups: dict[str, list[int]] = {}
-    if len(names) == len(tr.trainable):
-        off = 0
-        for n, p in zip(names, tr.trainable):
-            parts = [x for x in n.split(".") if not x.isdigit()]
-            key = ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
-            groups.setdefault(key, []).extend(range(off, off + p.numel()))
-            off += p.numel()
-    return torch.stack(grads), B, {k: torch.tensor(v) for k, v in groups.items()}
+        net = getattr(tr.model, "net", None)
+        name_of = {id(p): n for n, p in net.named_parameters()} if net is not None else {}
+    spans: dict[str, list[torch.Tensor]] = {}
+    off = 0
+    for p in tr.trainable:  # the column order of `record`
+        parts = [x for x in name_of.get(id(p), "other").split(".") if not x.isdigit()]
+        key = ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
+        spans.setdefault(key, []).append(torch.arange(off, off + p.numel()))
+        off += p.numel()
+    return torch.stack(grads), B, {k: torch.cat(v) for k, v in spans.items()}
 
 
 def signal_fraction(G: torch.Tensor) -> float:
