@@ -70,8 +70,6 @@ class SamplerCfg:
                 f"int(sampler.num_steps·sampler.timestep_fraction) = int({self.num_steps}·{self.timestep_fraction}) = 0 trainable steps; "
                 "raise sampler.num_steps or sampler.timestep_fraction"
             )
-        if self.name == "ode":
-            raise ValueError("sampler.name=ode has no exploration noise, so no step can be trained; use flow_sde, ddim_sde or cps")
 
 
 @dataclass
@@ -132,6 +130,17 @@ class EstimateCfg:
     substeps: int = _h(5, "T′: Euler substeps of the x̂0 estimate of each state (Stepwise §1.3; 1 = Tweedie).")
     chunk_size: int = _h(128, "States per batched model call when computing x̂0 estimates.")
     instant_substeps: int = _h(1, "VGPO instant reward: substeps of the post-action estimate (1 = one-step Tweedie, §5.2).")
+
+
+@dataclass
+class ObjectiveCfg:
+    name: str = _h(
+        "grpo", "Training objective (registry `flowcredit.objectives`): grpo = PPO-clip on SDE log-probs (Flow-GRPO), "
+        "nft = DiffusionNFT's forward-process loss, awm = advantage-weighted flow matching."
+    )
+    options: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "Options of the chosen objective, checked against its own options dataclass (see docs/ALGORITHMS.md §9)."}
+    )
 
 
 @dataclass
@@ -242,6 +251,7 @@ class TrainConfig:
     data: DataCfg = field(default_factory=DataCfg, metadata={"help": "Training prompts and group layout."})
     reward: RewardCfg = field(default_factory=RewardCfg, metadata={"help": "The reward (or weighted mix of rewards)."})
     credit: CreditCfg = field(default_factory=CreditCfg, metadata={"help": "Credit assignment: the advantage estimator and its knobs."})
+    objective: ObjectiveCfg = field(default_factory=ObjectiveCfg, metadata={"help": "The loss the advantages train: grpo, nft or awm."})
     estimate: EstimateCfg = field(default_factory=EstimateCfg, metadata={"help": "Intermediate x̂0 estimates for step-level rewards (Stepwise, VGPO)."})
     optim: OptimCfg = field(default_factory=OptimCfg, metadata={"help": "Optimizer, PPO clip, KL and update schedule."})
     run: RunCfg = field(default_factory=RunCfg, metadata={"help": "Run folder, budget, logging, checkpoints and evaluation."})
@@ -253,6 +263,11 @@ class TrainConfig:
         if self.method != "custom":
             self.credit.name = self.method
         self.dist.check(self.model, self.optim)
+        if self.sampler.name == "ode" and self.objective.name == "grpo":
+            raise ValueError(
+                "sampler.name=ode has no exploration noise, so objective.name=grpo cannot train a step; use flow_sde, "
+                "ddim_sde or cps, or a forward-process objective (objective.name=nft|awm)"
+            )
         if self.run.eval_every and self.run.eval_subset < 1:
             raise ValueError(f"run.eval_subset must be >= 1 when run.eval_every > 0, got {self.run.eval_subset}")
 
