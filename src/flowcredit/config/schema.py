@@ -182,6 +182,9 @@ class RunCfg:
     threads: int = _h(0, "torch threads (0 = leave torch's default).")
     device: str = _h("cpu", "Device for the tiny model (real models: accelerate decides).")
     log_every: int = _h(1, "Write metrics every N iterations.")
+    loggers: list[str] = _h(
+        None, "Where metrics go besides metrics.jsonl: tensorboard, wandb (optional extra; WANDB_MODE=offline works without network); null = [tensorboard]."
+    )
     grid_every: int = _h(25, "Save a sample grid every N iterations (0 = never).")
     checkpoint_every: int = _h(50, "Checkpoint every N iterations and at the end (0 = only at the end).")
     eval_at_end: bool = _h(True, "Evaluate on eval_prompts at the end (same code path as `flowcredit eval`) → eval.json.")
