@@ -9,6 +9,7 @@ See ``load.py`` for the rules. Typical use::
 from flowcredit.config.load import (
     ConfigError,
     apply_overrides,
+    check_ranges,
     describe,
     dump_yaml,
     fields_without_help,
@@ -16,12 +17,14 @@ from flowcredit.config.load import (
     list_presets,
     load_config,
     load_yaml,
+    range_text,
     to_dict,
 )
 
 __all__ = [
     "ConfigError",
     "apply_overrides",
+    "check_ranges",
     "describe",
     "dump_yaml",
     "fields_without_help",
@@ -29,5 +32,6 @@ __all__ = [
     "list_presets",
     "load_config",
     "load_yaml",
+    "range_text",
     "to_dict",
 ]

@@ -12,6 +12,19 @@ machinery around it and knows nothing about the project's schema:
 * ``load_config(cls, "tiny", overrides)`` does all three; ``to_dict``/``dump_yaml`` write the fully resolved config
   back (it loads again to an equal object); ``describe(cls)`` is the ``--help-config`` listing.
 
+Field metadata the loader reads besides ``help``:
+
+* ranges: ``ge``, ``gt``, ``le``, ``lt`` (>=, >, <=, <) bound a number, each item of a list of numbers, or each
+  value of a mapping of numbers; null passes (an ``Optional`` field is checked when set). Every value read is
+  checked right after its type, before any ``__post_init__`` runs, so cross-field checks may assume ranges hold::
+
+      ConfigError: run.iterations = -5 (override 'run.iterations=-5') must be >= 0
+
+  ``check_ranges(obj)`` runs the same check on an object built in code.
+* links: ``sets="section.key"`` (relative to the field's dataclass) makes the field's value the default of that
+  key, except for the values in ``unless=(...)``; setting both to different values is an error naming both keys
+  and where each was set (this is how ``method`` picks ``credit.name``).
+
 Every problem is raised as a one-line ``ConfigError``. Example::
 
     >>> cfg = load_config(TrainCfg, "tiny", ["sampler.noise_levle=0.5"], preset_dirs=[configs_dir])
@@ -43,6 +56,7 @@ import yaml
 __all__ = [
     "ConfigError",
     "apply_overrides",
+    "check_ranges",
     "describe",
     "dump_yaml",
     "fields_without_help",
@@ -50,6 +64,7 @@ __all__ = [
     "list_presets",
     "load_config",
     "load_yaml",
+    "range_text",
     "to_dict",
 ]
 
@@ -228,6 +243,127 @@ def _how_to_write(tp: Any) -> str:
     return f"write a value of type {_type_name(tp)}"
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Ranges and linked fields declared in field metadata
+# ----------------------------------------------------------------------------------------------------------------
+
+RANGE_KEYS = ("ge", "gt", "le", "lt")  # metadata keys of numeric bounds: >=, >, <=, <
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _num_text(x: Any) -> str:
+    return repr(x) if isinstance(x, int) else f"{x:g}"
+
+
+def range_text(metadata: Mapping[str, Any]) -> str | None:
+    """The declared range of a field, e.g. ">= 0", "> 0" or "(0, 1]"; None when the field declares none.
+
+    Raises:
+        TypeError: a schema that declares both ``ge`` and ``gt`` (or both ``le`` and ``lt``).
+    """
+    if "ge" in metadata and "gt" in metadata or "le" in metadata and "lt" in metadata:
+        raise TypeError(f"a field declares two bounds on one side: {dict(metadata)}; keep one of ge/gt and of le/lt")
+    lo = ("[", ">=", metadata["ge"]) if "ge" in metadata else ("(", ">", metadata["gt"]) if "gt" in metadata else None
+    hi = ("]", "<=", metadata["le"]) if "le" in metadata else (")", "<", metadata["lt"]) if "lt" in metadata else None
+    if lo and hi:
+        return f"{lo[0]}{_num_text(lo[2])}, {_num_text(hi[2])}{hi[0]}"
+    if lo or hi:
+        _, op, bound = lo or hi  # type: ignore[misc]
+        return f"{op} {_num_text(bound)}"
+    return None
+
+
+def _in_range(metadata: Mapping[str, Any], x: float) -> bool:
+    # Written as `x >= b` etc. so that NaN is out of every range.
+    return (
+        ("ge" not in metadata or x >= metadata["ge"])
+        and ("gt" not in metadata or x > metadata["gt"])
+        and ("le" not in metadata or x <= metadata["le"])
+        and ("lt" not in metadata or x < metadata["lt"])
+    )
+
+
+def _out_of_range(metadata: Mapping[str, Any], value: Any, path: str) -> tuple[str, Any, str] | None:
+    """(dotted key, value, "must be ...") of the first number in `value` outside the field's declared range.
+
+    The range applies to a number, to each item of a list/tuple and to each value of a mapping; None and other
+    values are not numbers and pass (their type was checked already).
+    """
+    text = range_text(metadata)
+    if text is None:
+        return None
+    if isinstance(value, Mapping):
+        items: Iterable[tuple[str, Any]] = ((_join(path, k), v) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((_item(path, i), v) for i, v in enumerate(value))
+    else:
+        items = [(path, value)]
+    for key, x in items:
+        if _number(x) and not _in_range(metadata, x):
+            return key, x, f"must be {'in ' if text[0] in '[(' else ''}{text}"
+    return None
+
+
+def _range_error(key: str, value: Any, must: str, source: str | None) -> ConfigError:
+    frm = f" ({source})" if source else ""
+    return ConfigError(f"{key} = {value!r}{frm} {must}", key=key, source=source)
+
+
+def check_ranges(obj: Any, path: str = "") -> None:
+    """Check every declared range of an already built config object (e.g. one constructed in code).
+
+    `load_config`/`from_dict` check the values they read; this is the same check for objects made otherwise.
+
+    Raises:
+        ConfigError: ``key = value must be ...`` for the first value outside its field's range.
+    """
+    if not (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+        return
+    for f in _init_fields(type(obj)):
+        sub, value = _join(path, f.name), getattr(obj, f.name)
+        bad = _out_of_range(f.metadata, value, sub)
+        if bad is not None:
+            raise _range_error(*bad, None)
+        for i, v in enumerate(value) if isinstance(value, (list, tuple)) else ():
+            check_ranges(v, _item(sub, i))
+        for k, v in value.items() if isinstance(value, Mapping) else ():
+            check_ranges(v, _join(sub, k))
+        check_ranges(value, sub)
+
+
+def _lookup(data: Mapping, dotted: str) -> tuple[bool, Any]:
+    """(found, value) of a dotted key inside nested mappings."""
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _with_value(data: Mapping, dotted: str, value: Any) -> dict | None:
+    """A copy of `data` with `dotted` set to `value` (missing or null sections are created); None if a section on the
+    way is some other value (the type check will report it)."""
+    head, _, rest = dotted.partition(".")
+    out = dict(data)
+    if not rest:
+        out[head] = value
+        return out
+    inner = data.get(head)
+    if inner is None:
+        inner = {}
+    if not isinstance(inner, Mapping):
+        return None
+    sub = _with_value(inner, rest, value)
+    if sub is None:
+        return None
+    out[head] = sub
+    return out
+
+
 class _Builder:
     """One conversion run: holds the source map so every error can say where the value came from."""
 
@@ -349,6 +485,50 @@ class _Builder:
             raise self.wrong_type(path, value, tp)
         raise TypeError(f"flowcredit.config does not support the annotation {tp!r} (key '{path}')")
 
+    def apply_links(self, cls: type, data: Mapping, path: str) -> Mapping:
+        """Fields whose value is the default of another key: metadata ``sets="section.key"`` (relative to `cls`),
+        optionally ``unless=(values that set nothing,)``.
+
+        When the other key is not in `data` it takes the field's value; when it is set to a different value the
+        two contradict each other: ConfigError naming both keys, where each came from, and the two ways to fix it.
+        Returns `data`, or a copy with the linked key filled in.
+        """
+        hints = _type_hints(cls)
+        for f in _init_fields(cls):
+            target = f.metadata.get("sets")
+            if target is None:
+                continue
+            sub = _join(path, f.name)
+            value = self.convert(data[f.name], hints[f.name], sub) if f.name in data else _default(f)
+            unless = tuple(f.metadata.get("unless", ()))
+            if value in unless:
+                continue
+            found, given = _lookup(data, target)
+            if not found:
+                data = _with_value(data, target, value) or data
+                continue
+            if type(given) is not type(value) or given == value:
+                continue  # equal, or a wrong type that the type check reports
+            key = _join(path, target)
+            src_given = _source_of(self.sources, key)
+            src_value = _source_of(self.sources, sub) if f.name in data else "default"
+            fixes = []
+            try:
+                self.convert(given, hints[f.name], sub)
+                fixes.append(f"{sub}={given}")
+            except ConfigError:
+                pass
+            if unless:
+                fixes.append(f"{sub}={unless[0]} with {key}={given}")
+            fix = f"use {', or '.join(fixes)}" if fixes else f"remove {key} (it follows {sub})"
+            raise ConfigError(
+                f"{key} = {given!r}{f' ({src_given})' if src_given else ''} contradicts {sub} = {value!r}"
+                f"{f' ({src_value})' if src_value else ''}, which sets {key}; {fix}",
+                key=key,
+                source=src_given,
+            )
+        return data
+
     def build(self, cls: type[T], data: Mapping, path: str) -> T:
         """Build dataclass `cls` from mapping `data` found at dotted `path`."""
         hints = _type_hints(cls)
@@ -363,11 +543,15 @@ class _Builder:
                 valid = f"valid keys in {section}: {', '.join(fields) or '(none)'}{tail}"
                 raise self.error(_join(path, key), lambda k, at: f"unknown key '{k}'{at}; {hint}{valid}")
 
+        data = self.apply_links(cls, data, path)
         kwargs = {}
         for name, f in fields.items():
             sub = _join(path, name)
             if name in data:
                 kwargs[name] = self.convert(data[name], hints[name], sub)
+                bad = _out_of_range(f.metadata, kwargs[name], sub)
+                if bad is not None:
+                    raise _range_error(*bad, _source_of(self.sources, bad[0]))
             elif not _has_default(f):
                 source = _source_of(self.sources, path)
                 raise ConfigError(
@@ -401,8 +585,9 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, *, source: SourceMap
         An instance of `cls`.
 
     Raises:
-        ConfigError: unknown key (with a close-match suggestion), wrong type, value outside a Literal, missing
-            required key, or a ValueError raised by a ``__post_init__`` (re-raised naming the section).
+        ConfigError: unknown key (with a close-match suggestion), wrong type, value outside a Literal or outside
+            its declared range, two linked keys that contradict each other, missing required key, or a ValueError
+            raised by a ``__post_init__`` (re-raised naming the section).
     """
     if not (dataclasses.is_dataclass(cls) and isinstance(cls, type)):
         raise TypeError(f"from_dict needs a dataclass type, got {cls!r}")
@@ -869,7 +1054,7 @@ def _walk_fields(cls: type, path: str) -> Iterable[tuple[str, dataclasses.Field,
 
 
 def describe(cls: type) -> str:
-    """Help listing of every dotted key of a config class: type, default and help text.
+    """Help listing of every dotted key of a config class: type, default, declared range and help text.
 
     Items of lists of sections are shown as ``key[].field``; values of dicts of sections as ``key.<name>.field``.
     """
@@ -880,7 +1065,8 @@ def describe(cls: type) -> str:
             out.append(f"{key}:  [section {tp.__name__}]")
         else:
             default = f"= {_format_default(_default(f))}" if _has_default(f) else "(required)"
-            out.append(f"{key}: {_type_name(tp)} {default}")
+            rng = range_text(f.metadata)
+            out.append(f"{key}: {_type_name(tp)} {default}" + (f", range {rng}" if rng else ""))
         out.append(f"    {help_text}")
     return "\n".join(out) + "\n"
 

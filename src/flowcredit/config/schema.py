@@ -2,7 +2,9 @@
 
 Presets live in `flowcredit/configs/*.yaml`; `flowcredit train [PRESET|file.yaml] key=value ...` loads one,
 applies overrides, rejects unknown keys with a suggestion, and saves the resolved config in the run folder.
-Cross-field checks are in `__post_init__` and state the arithmetic.
+Every numeric field declares its range in its metadata (`_h(..., ge=0)`; config/load.py checks every value it reads
+against it and names the key, the value and where it was set). Only cross-field checks are in `__post_init__`, and
+they state the arithmetic.
 """
 
 from __future__ import annotations
@@ -13,8 +15,14 @@ from typing import Any, Literal, Optional
 from ..credit.base import CreditCfg
 
 
-def _h(default, text: str, **kw):
-    return field(default=default, metadata={"help": text}, **kw)
+def _h(default, text: str, *, ge=None, gt=None, le=None, lt=None, **kw):
+    """A field with a help sentence and, for numbers, its allowed range (>= ge, > gt, <= le, < lt; None = unbounded).
+
+    The range is checked by the loader (config/load.py) for every value a YAML file or an override sets, shown by
+    `flowcredit train --help-config`, and also holds for each item of a list or value of a mapping of numbers.
+    """
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    return field(default=default, metadata={"help": text, **bounds}, **kw)
 
 
 @dataclass
@@ -27,44 +35,38 @@ class ModelCfg:
     trainable: Literal["all", "lora", "blocks"] = _h(
         "all", "What RL trains: all weights (full fine-tune), LoRA adapters (peft; base weights frozen, π_ref = adapter disabled), or the transformer blocks only (tiny: text encoder and embeddings frozen)."
     )
-    lora_rank: int = _h(32, "LoRA rank r (ALGORITHMS.md A9: r32).")
-    lora_alpha: float = _h(64.0, "LoRA alpha (A9: α64).")
+    lora_rank: int = _h(32, "LoRA rank r (ALGORITHMS.md A9: r32).", ge=1)
+    lora_alpha: float = _h(64.0, "LoRA alpha (A9: α64).", gt=0)
     lora_targets: Optional[list[str]] = _h(
         None, "Module names LoRA wraps; null = the family default (SD3: flow_grpo's attention projections; tiny: the blocks' qkv, proj, mlp.0, mlp.2).", 
     )
     gradient_checkpointing: bool = _h(False, "Recompute activations in the backward pass to save memory (real models).")
-    resolution: Optional[int] = _h(None, "Image side in pixels for SD3/FLUX (papers: 512); null = the transformer's native size.")
-    max_sequence_length: Optional[int] = _h(None, "T5 prompt tokens for SD3/FLUX; null = the pipeline's default.")
-    embedded_guidance: float = _h(3.5, "FLUX.1-dev distilled guidance embedding (not CFG; CFG is sampler.guidance_scale).")
+    resolution: Optional[int] = _h(None, "Image side in pixels for SD3/FLUX (papers: 512); null = the transformer's native size.", ge=1)
+    max_sequence_length: Optional[int] = _h(None, "T5 prompt tokens for SD3/FLUX; null = the pipeline's default.", ge=1)
+    embedded_guidance: float = _h(3.5, "FLUX.1-dev distilled guidance embedding (not CFG; CFG is sampler.guidance_scale).", ge=0)
 
     def __post_init__(self):
         if self.lora_targets is None:
             self.lora_targets = []
-        if self.lora_rank < 1:
-            raise ValueError(f"model.lora_rank must be >= 1, got {self.lora_rank}")
 
 
 @dataclass
 class SamplerCfg:
     name: Literal["flow_sde", "ddim_sde", "cps", "ode"] = _h("flow_sde", "Rollout SDE (ALGORITHMS.md §2): Flow-GRPO's flow_sde, Stepwise's ddim_sde, Flow-CPS, or ode.")
-    noise_level: Optional[float] = _h(None, "a for flow_sde/cps (Flow-GRPO a=0.7), η for ddim_sde (0.9); null = the sampler's default.")
-    num_steps: int = _h(10, "Rollout steps T (Flow-GRPO: 10 for training).")
-    shift: float = _h(3.0, "SD3 timestep shift of the time grid.")
+    noise_level: Optional[float] = _h(None, "a for flow_sde/cps (Flow-GRPO a=0.7), η for ddim_sde (0.9); null = the sampler's default.", ge=0)
+    num_steps: int = _h(10, "Rollout steps T (Flow-GRPO: 10 for training).", ge=1)
+    shift: float = _h(3.0, "SD3 timestep shift of the time grid.", gt=0)
     grid: Literal["uniform", "diffusers"] = _h("uniform", "Time grid: shifted linspace(1, 0) or diffusers' FlowMatchEulerDiscreteScheduler grid.")
     reduce: Literal["mean", "sum"] = _h("mean", "Log-prob reduction over latent dims (Flow-GRPO: mean, so clip_range 1e-4 means what it means there).")
     ddim_sigma: Literal["eta_s_sqrt", "eta_s"] = _h("eta_s_sqrt", "ddim_sde σ schedule: η(t−Δt)√(1−t) (Stepwise §5.5) or η(t−Δt) (= Flow-CPS).")
     ddim_coef: Literal["ddim", "mm"] = _h("ddim", "ddim_sde noise coefficient: sqrt(s²−σ²) or the marginal-matching s − σ²/(2s).")
-    guidance_scale: float = _h(1.0, "CFG scale used in rollout AND loss (one policy velocity function).")
-    timestep_fraction: float = _h(0.99, "Train the first int(T·fraction) steps (Flow-GRPO 0.99 → 9 of 10). Steps with σ=0 are never trained.")
+    guidance_scale: float = _h(1.0, "CFG scale used in rollout AND loss (one policy velocity function).", ge=0)
+    timestep_fraction: float = _h(0.99, "Train the first int(T·fraction) steps (Flow-GRPO 0.99 → 9 of 10). Steps with σ=0 are never trained.", gt=0, le=1)
     ode_untrained: bool = _h(True, "Sample the steps that are never trained (j ≥ int(T·timestep_fraction)) with the ODE, so no exploration noise stays in the final image; false = Flow-GRPO's code (SDE on every step).")
-    train_steps_per_sample: int = _h(0, "If > 0, train only this many randomly chosen trainable steps per sample each iteration (a speed lever); 0 = all.")
+    train_steps_per_sample: int = _h(0, "If > 0, train only this many randomly chosen trainable steps per sample each iteration (a speed lever); 0 = all.", ge=0)
     shared_noise: Optional[bool] = _h(None, "Share x_T within a group; null = the method's default (stepwise/vgpo: yes, flow_grpo: no).")
 
     def __post_init__(self):
-        if self.num_steps < 1:
-            raise ValueError(f"sampler.num_steps must be >= 1, got {self.num_steps}")
-        if not 0.0 < self.timestep_fraction <= 1.0:
-            raise ValueError(f"sampler.timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
         if int(self.num_steps * self.timestep_fraction) < 1:
             raise ValueError(
                 f"int(sampler.num_steps·sampler.timestep_fraction) = int({self.num_steps}·{self.timestep_fraction}) = 0 trainable steps; "
@@ -75,17 +77,16 @@ class SamplerCfg:
 @dataclass
 class DataCfg:
     train_prompts: str = _h("shapes:train", "Training prompts: shapes:train, or a .jsonl (GenEval schema) / .txt prompt file.")
-    prompts_per_iter: int = _h(8, "Distinct prompts per iteration (groups).")
-    group_size: int = _h(8, "Samples per prompt G (GRPO group).")
-    batch_size: Optional[int] = _h(None, "Samples per iteration B; if set it must be divisible by group_size and sets prompts_per_iter = B / G.")
+    prompts_per_iter: int = _h(8, "Distinct prompts per iteration (groups).", ge=1)
+    group_size: int = _h(8, "Samples per prompt G (GRPO group; group-relative advantages need 2).", ge=2)
+    batch_size: Optional[int] = _h(None, "Samples per iteration B; if set it must be divisible by group_size and sets prompts_per_iter = B / G.", ge=1)
     balance_tags: bool = _h(True, "For GenEval-schema prompts: draw the tag uniformly, then a prompt of that tag (Flow-GRPO mixes tasks by weight).")
     tag_weights: Optional[dict[str, float]] = _h(
         None, "With balance_tags: relative weight of each tag when drawing it, e.g. {single_object: 0, position: 2}; tags not named keep weight 1, weight 0 drops a tag; null = uniform."
     )
 
     def __post_init__(self):
-        if self.group_size < 2:
-            raise ValueError(f"data.group_size must be >= 2 for group-relative advantages, got {self.group_size}")
+        # Ranges hold here (group_size >= 2, batch_size >= 1), so a divisible batch_size gives prompts_per_iter >= 1.
         if self.batch_size is not None:
             if self.batch_size % self.group_size != 0:
                 raise ValueError(
@@ -93,8 +94,6 @@ class DataCfg:
                     f"use a multiple of {self.group_size} (e.g. {self.group_size * max(1, round(self.batch_size / self.group_size))})"
                 )
             self.prompts_per_iter = self.batch_size // self.group_size
-        if self.prompts_per_iter < 1:
-            raise ValueError(f"data.prompts_per_iter must be >= 1, got {self.prompts_per_iter}")
         if self.tag_weights is not None:
             bad = {k: v for k, v in self.tag_weights.items() if not v >= 0}
             if bad:
@@ -106,7 +105,7 @@ class DataCfg:
 @dataclass
 class RewardComponent:
     name: str = _h("shapes", "Registered reward name or 'module:Class'.")
-    weight: float = _h(1.0, "Weight in the mix.")
+    weight: float = _h(1.0, "Weight in the mix (any real number; a negative weight penalizes the reward).")
     options: dict[str, Any] = field(default_factory=dict, metadata={"help": "Constructor options of this reward (e.g. a local model path)."})
     label: Optional[str] = _h(None, "Name of this component in the logs; null = the reward name.")
 
@@ -127,9 +126,9 @@ class RewardCfg:
 
 @dataclass
 class EstimateCfg:
-    substeps: int = _h(5, "T′: Euler substeps of the x̂0 estimate of each state (Stepwise §1.3; 1 = Tweedie).")
-    chunk_size: int = _h(128, "States per batched model call when computing x̂0 estimates.")
-    instant_substeps: int = _h(1, "VGPO instant reward: substeps of the post-action estimate (1 = one-step Tweedie, §5.2).")
+    substeps: int = _h(5, "T′: Euler substeps of the x̂0 estimate of each state (Stepwise §1.3; 1 = Tweedie).", ge=1)
+    chunk_size: int = _h(128, "States per batched model call when computing x̂0 estimates.", ge=1)
+    instant_substeps: int = _h(1, "VGPO instant reward: substeps of the post-action estimate (1 = one-step Tweedie, §5.2).", ge=1)
 
 
 @dataclass
@@ -145,17 +144,17 @@ class ObjectiveCfg:
 
 @dataclass
 class OptimCfg:
-    lr: float = _h(3e-5, "AdamW learning rate.")
-    betas: list[float] = _h(None, "AdamW betas; null = [0.9, 0.999].")
-    weight_decay: float = _h(1e-4, "AdamW weight decay (Flow-GRPO 1e-4).")
-    eps: float = _h(1e-8, "AdamW epsilon.")
-    grad_clip: float = _h(1.0, "Max gradient norm.")
-    clip_range: float = _h(1e-4, "PPO ratio clip ε (Flow-GRPO code 1e-4, with mean-reduced log-probs).")
-    kl_beta: float = _h(0.0, "β of the KL to the reference model (Flow-GRPO: 0.04 GenEval); 0 skips the reference forward.")
-    inner_epochs: int = _h(1, "Passes over each rollout batch (PPO epochs).")
-    updates_per_epoch: int = _h(1, "Optimizer steps per pass (the batch is split into this many gradient-accumulation chunks).")
-    micro_batch: int = _h(64, "(sample, step) pairs per forward/backward; only changes memory, not the gradient.")
-    ema_decay: float = _h(0.0, "EMA of trainable weights (0 = off); evaluation uses the EMA weights when on.")
+    lr: float = _h(3e-5, "AdamW learning rate.", gt=0)
+    betas: list[float] = _h(None, "AdamW betas (each in [0, 1)); null = [0.9, 0.999].", ge=0, lt=1)
+    weight_decay: float = _h(1e-4, "AdamW weight decay (Flow-GRPO 1e-4).", ge=0)
+    eps: float = _h(1e-8, "AdamW epsilon.", gt=0)
+    grad_clip: float = _h(1.0, "Max gradient norm.", gt=0)
+    clip_range: float = _h(1e-4, "PPO ratio clip ε (Flow-GRPO code 1e-4, with mean-reduced log-probs).", gt=0)
+    kl_beta: float = _h(0.0, "β of the KL to the reference model (Flow-GRPO: 0.04 GenEval); 0 skips the reference forward.", ge=0)
+    inner_epochs: int = _h(1, "Passes over each rollout batch (PPO epochs).", ge=1)
+    updates_per_epoch: int = _h(1, "Optimizer steps per pass (the batch is split into this many gradient-accumulation chunks).", ge=1)
+    micro_batch: int = _h(64, "(sample, step) pairs per forward/backward; only changes memory, not the gradient.", ge=1)
+    ema_decay: float = _h(0.0, "EMA of trainable weights (0 = off); evaluation uses the EMA weights when on.", ge=0, lt=1)
     offload_optimizer: bool = _h(
         False, "Keep AdamW's moments (and an fp32 master copy) in CPU memory and step there: the accelerator keeps only weights + grads (fp32: 8 of 16 bytes/param; docs/SCALING.md)."
     )
@@ -173,35 +172,35 @@ class OptimCfg:
 @dataclass
 class RunCfg:
     out_dir: Optional[str] = _h(None, "Run folder; null = runs/<preset>-<timestamp>.")
-    seed: int = _h(0, "Global seed (prompt order, noise, everything).")
-    iterations: int = _h(100, "Training iterations (rollout → reward → credit → update).")
-    max_minutes: float = _h(0.0, "Stop training after this many minutes (0 = no limit); evaluation still runs.")
+    seed: int = _h(0, "Global seed (prompt order, noise, everything).", ge=0)
+    iterations: int = _h(100, "Training iterations (rollout → reward → credit → update).", ge=0)
+    max_minutes: float = _h(0.0, "Stop training after this many minutes (0 = no limit); evaluation still runs.", ge=0)
     budget_minutes: float = _h(
-        0.0, "Wall-clock budget of the whole job, final evaluation included (0 = none): training stops before the next iteration would leave less time than the final evaluation is predicted to take (from the rollout's measured forward rate)."
+        0.0, "Wall-clock budget of the whole job, final evaluation included (0 = none): training stops before the next iteration would leave less time than the final evaluation is predicted to take (from the rollout's measured forward rate).", ge=0
     )
-    threads: int = _h(0, "torch threads (0 = leave torch's default).")
+    threads: int = _h(0, "torch threads (0 = leave torch's default).", ge=0)
     device: str = _h("cpu", "Device for the tiny model (real models: accelerate decides).")
-    log_every: int = _h(1, "Write metrics every N iterations.")
-    loggers: list[str] = _h(
+    log_every: int = _h(1, "Write metrics every N iterations.", ge=1)
+    loggers: Optional[list[str]] = _h(
         None, "Where metrics go besides metrics.jsonl: tensorboard, wandb (optional extra; WANDB_MODE=offline works without network); null = [tensorboard]."
     )
-    grid_every: int = _h(25, "Save a sample grid every N iterations (0 = never).")
-    checkpoint_every: int = _h(50, "Checkpoint every N iterations and at the end (0 = only at the end).")
+    grid_every: int = _h(25, "Save a sample grid every N iterations (0 = never).", ge=0)
+    checkpoint_every: int = _h(50, "Checkpoint every N iterations and at the end (0 = only at the end).", ge=0)
     eval_at_end: bool = _h(True, "Evaluate on eval_prompts at the end (same code path as `flowcredit eval`) → eval.json.")
     eval_baseline: bool = _h(True, "Also evaluate the initial model with the same noise, so eval.json holds the improvement.")
     eval_baseline_cache: Optional[str] = _h(
         None, "Folder caching the initial model's final evaluation under a hash of its weights, the prompts, noise seed, sampler and reward, so runs that share them evaluate the initial model once (`flowcredit compare` sets it per study); null = off."
     )
     eval_prompts: str = _h("shapes:test", "Held-out prompts for the final evaluation.")
-    eval_steps: int = _h(40, "ODE steps of the evaluation sampler.")
-    eval_guidance: float = _h(1.0, "CFG scale of the evaluation.")
-    eval_every: int = _h(0, "Also evaluate every N iterations on eval_subset prompts (0 = never).")
-    eval_subset: int = _h(96, "Prompts of the periodic evaluation (a fixed, tag-balanced subset of eval_prompts).")
+    eval_steps: int = _h(40, "ODE steps of the evaluation sampler.", ge=1)
+    eval_guidance: float = _h(1.0, "CFG scale of the evaluation.", ge=0)
+    eval_every: int = _h(0, "Also evaluate every N iterations on eval_subset prompts (0 = never).", ge=0)
+    eval_subset: int = _h(96, "Prompts of the periodic evaluation (a fixed, tag-balanced subset of eval_prompts).", ge=1)
     gold_reward: Optional[str] = _h(None, "Hacking guard: a held-out 'gold' reward the policy is NOT trained on, scored on gold_prompts every gold_every iterations; null = off.")
     gold_prompts: str = _h("shapes:test_unique", "Fixed prompts of the gold reward.")
-    gold_every: int = _h(10, "Gold-reward interval in iterations.")
-    gold_limit: int = _h(32, "Number of gold prompts used.")
-    alarm_window: int = _h(5, "Hacking alarm: fires when over the last N gold evaluations the training reward rose while gold (or diversity) fell.")
+    gold_every: int = _h(10, "Gold-reward interval in iterations (0 = never due).", ge=0)
+    gold_limit: int = _h(32, "Number of gold prompts used.", ge=1)
+    alarm_window: int = _h(5, "Hacking alarm: fires when over the last N gold evaluations the training reward rose while gold (or diversity) fell.", ge=2)
 
 
 @dataclass
@@ -234,21 +233,25 @@ class DistCfg:
 @dataclass
 class FaultsCfg:
     max_nonfinite: int = _h(
-        3, "Stop (error, exit non-zero, last checkpoint intact) after this many CONSECUTIVE updates skipped for NaN/Inf rewards, advantages, loss or grads; 0 = never."
+        3, "Stop (error, exit non-zero, last checkpoint intact) after this many CONSECUTIVE updates skipped for NaN/Inf rewards, advantages, loss or grads; 0 = never.", ge=0
     )
-    reward_retries: int = _h(2, "Retries of a reward call that raises or times out, before the run stops with an error.")
-    reward_backoff: float = _h(2.0, "Seconds before the first reward retry; doubled after each further failure.")
-    reward_timeout: float = _h(0.0, "Seconds one reward call may take before it counts as failed (0 = no limit).")
+    reward_retries: int = _h(2, "Retries of a reward call that raises or times out, before the run stops with an error.", ge=0)
+    reward_backoff: float = _h(2.0, "Seconds before the first reward retry; doubled after each further failure.", ge=0)
+    reward_timeout: float = _h(0.0, "Seconds one reward call may take before it counts as failed (0 = no limit).", ge=0)
     handle_signals: bool = _h(True, "On SIGTERM/SIGINT: finish the iteration, write a checkpoint and exit 0.")
-
-    def __post_init__(self):
-        if self.max_nonfinite < 0 or self.reward_retries < 0 or self.reward_backoff < 0 or self.reward_timeout < 0:
-            raise ValueError("faults.max_nonfinite, reward_retries, reward_backoff and reward_timeout must be >= 0")
 
 
 @dataclass
 class TrainConfig:
-    method: Literal["flow_grpo", "stepwise", "vgpo", "custom"] = _h("flow_grpo", "Method preset family (sets credit defaults); informational for custom.")
+    method: Literal["flow_grpo", "stepwise", "vgpo", "custom"] = field(
+        default="flow_grpo",
+        metadata={
+            "help": "Method label; it sets credit.name (a different explicit credit.name is an error); custom = "
+            "compose credit.* by hand.",
+            "sets": "credit.name",  # config/load.py: the default of credit.name, a contradiction is an error
+            "unless": ("custom",),
+        },
+    )
     model: ModelCfg = field(default_factory=ModelCfg, metadata={"help": "The policy model (tiny built-in, SD3, FLUX) and what is trained."})
     sampler: SamplerCfg = field(default_factory=SamplerCfg, metadata={"help": "Rollout SDE, time grid and which steps are trained."})
     data: DataCfg = field(default_factory=DataCfg, metadata={"help": "Training prompts and group layout."})
@@ -262,7 +265,9 @@ class TrainConfig:
     faults: FaultsCfg = field(default_factory=FaultsCfg, metadata={"help": "What the run survives: NaN/Inf, failing rewards, signals."})
 
     def __post_init__(self):
-        # The method picks the credit estimator unless the user composes one by hand (method=custom).
+        # The method picks the credit estimator unless the user composes one by hand (method=custom). A loaded config
+        # already has credit.name == method (the loader fills it in and rejects a different explicit credit.name);
+        # this keeps configs built in code, e.g. TrainConfig(method="vgpo"), consistent too.
         if self.method != "custom":
             self.credit.name = self.method
         self.dist.check(self.model, self.optim)
@@ -271,8 +276,6 @@ class TrainConfig:
                 "sampler.name=ode has no exploration noise, so objective.name=grpo cannot train a step; use flow_sde, "
                 "ddim_sde or cps, or a forward-process objective (objective.name=nft|awm)"
             )
-        if self.run.eval_every and self.run.eval_subset < 1:
-            raise ValueError(f"run.eval_subset must be >= 1 when run.eval_every > 0, got {self.run.eval_subset}")
 
     @property
     def shared_noise(self) -> bool:

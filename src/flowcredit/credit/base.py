@@ -97,11 +97,11 @@ class CreditCfg:
     )
     eps: float = field(
         default=1e-4,
-        metadata={"help": "ε added to every standard deviation before dividing (Flow-GRPO code uses 1e-4)."},
+        metadata={"help": "ε added to every standard deviation before dividing (Flow-GRPO code uses 1e-4).", "gt": 0},
     )
     adv_clip: float | None = field(
         default=5.0,
-        metadata={"help": "Final advantages are clipped to ±adv_clip (Flow-GRPO adv_clip_max = 5); None disables."},
+        metadata={"help": "Final advantages are clipped to ±adv_clip (Flow-GRPO adv_clip_max = 5); None disables.", "gt": 0},
     )
     mask_stats: bool = field(
         default=True,
@@ -129,22 +129,24 @@ class CreditCfg:
     )
     ema_decay: float = field(
         default=0.9,
-        metadata={"help": "EMA baseline decay λ: b_j ← λ·b_j + (1−λ)·mean_batch g_j (§4.6)."},
+        metadata={"help": "EMA baseline decay λ: b_j ← λ·b_j + (1−λ)·mean_batch g_j (§4.6).", "ge": 0, "le": 1},
     )
     use_gae: bool = field(
         default=False,
         metadata={"help": "Replace each gain by GAE over the gain sequence, A_j = Σ_{l≥0} (γλ)^l g_{j+l} (value ≡ 0, "
                   "§4.6 variant), before normalization."},
     )
-    gae_gamma: float = field(default=1.0, metadata={"help": "GAE discount γ over later denoising steps (use_gae)."})
+    gae_gamma: float = field(
+        default=1.0, metadata={"help": "GAE discount γ over later denoising steps (use_gae).", "ge": 0, "le": 1}
+    )
     gae_lambda: float = field(
-        default=0.95, metadata={"help": "GAE λ (use_gae); γ = λ = 1 gives the reward-to-go ρ_T − ρ_j."}
+        default=0.95, metadata={"help": "GAE λ (use_gae); γ = λ = 1 gives the reward-to-go ρ_T − ρ_j.", "ge": 0, "le": 1}
     )
     # --- VGPO: TCRM + ADAE (§5.2–5.5) ---
     vgpo_gamma: float = field(
         default=0.9,
         metadata={"help": "TCRM discount γ of the reward-to-go Q_j = Σ_{m≥j} γ^{m−j} I_m (§5.3, A11; γ unknown, "
-                  "0.9–1.0 suggested)."},
+                  "0.9–1.0 suggested).", "ge": 0, "le": 1},
     )
     vgpo_weights: bool = field(
         default=True,
@@ -163,12 +165,13 @@ class CreditCfg:
     )
     adae_k: float = field(
         default=0.1,
-        metadata={"help": "ADAE absolute-anchor weight k in Â = ω·(z + k·Q) (§5.5, A13; tuned, Q is O(T·R))."},
+        metadata={"help": "ADAE absolute-anchor weight k in Â = ω·(z + k·Q) (§5.5, A13; tuned, Q is O(T·R)); "
+                  "0 switches the anchor off.", "ge": 0},
     )
     adae_steps: int = field(
         default=5,
         metadata={"help": "The absolute anchor k·Q acts only on the first K sampling steps j < K (VGPO App. A.2: "
-                  "first 5 steps); -1 = all steps."},
+                  "first 5 steps); -1 = all steps.", "ge": -1},
     )
     adae_norm: Literal["plus", "one_plus_k"] = field(
         default="plus",

@@ -15,13 +15,16 @@ only the transformer (the trainer's frozen reference for full fine-tunes).
 Why reuse `Pipeline.encode_prompt` instead of re-implementing it: the prompt embeddings are then the deployed
 pipeline's by construction (clip_skip, padding to max_length, the CLIP/T5 concatenation and padding of SD3 ...).
 
-Import rule (STYLE.md R1): only the model adapters import diffusers/peft, and only lazily (inside functions).
+Import rule (STYLE.md R1): only the model adapters import diffusers/peft, and only lazily (inside functions),
+through `require_extra`: a missing package is one line naming what needs it and `pip install -e ".[diffusers]"`.
+A model folder is checked before anything is imported, so a wrong model.path is reported first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import json
 from collections import OrderedDict
 from pathlib import Path
@@ -36,6 +39,35 @@ from .lora import adapters_disabled
 
 class ModelLayoutError(FileNotFoundError):
     """A model folder lacks a component (a FileNotFoundError, so the CLI prints it as one line)."""
+
+
+DIFFUSERS_EXTRA = 'pip install -e ".[diffusers]"'  # pyproject's optional extra: diffusers, transformers, peft, ...
+
+
+class MissingExtraError(ImportError, ValueError):
+    """An optional package is not installed (or too old). Also a ValueError, so the CLI prints it as one line."""
+
+
+def require_extra(module: str, needed_by: str):
+    """Import and return `module` (a package of the `diffusers` extra), or raise MissingExtraError.
+
+    Args:
+        module: e.g. "diffusers", "transformers", "peft".
+        needed_by: what asked for it, for the message, e.g. "model.name=sd3".
+
+    Raises:
+        MissingExtraError: "model.name=sd3 needs the optional extra: pip install -e ".[diffusers]" (the Python
+            package 'diffusers' is not installed)"; it names the package that failed to import, which may be a
+            dependency of `module`.
+    """
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        missing = (e.name or module).split(".")[0]
+        raise MissingExtraError(
+            f"{needed_by} needs the optional extra: {DIFFUSERS_EXTRA} (the Python package '{missing}' is not installed)",
+            name=missing,
+        ) from None
 
 
 def looks_like_hub_id(path: str) -> bool:
@@ -95,13 +127,13 @@ def load_dtypes(precision: str, trainable: str) -> dict[str, torch.dtype]:
 MIN_DIFFUSERS = (0, 34)  # per-component dtype dicts (0.33) and LoRA adapter metadata in save_lora_weights (0.34)
 
 
-def check_diffusers_version() -> None:
-    import diffusers
-
+def check_diffusers_version(needed_by: str) -> None:
+    """Raise MissingExtraError when diffusers is not installed or older than MIN_DIFFUSERS."""
+    diffusers = require_extra("diffusers", needed_by)
     parts = tuple(int(x) for x in diffusers.__version__.split(".")[:2] if x.isdigit())
     if parts < MIN_DIFFUSERS:
-        raise ImportError(
-            f"flowcredit's diffusers adapters need diffusers>={'.'.join(map(str, MIN_DIFFUSERS))} (per-component dtypes, "
+        raise MissingExtraError(
+            f"{needed_by} needs diffusers>={'.'.join(map(str, MIN_DIFFUSERS))} (per-component dtypes, "
             f"LoRA alpha metadata); found {diffusers.__version__}: pip install -U 'diffusers>=0.34'"
         )
 
@@ -164,10 +196,18 @@ class DiffusersFlowModel(nn.Module):
         raise NotImplementedError
 
     @classmethod
-    def _load_pipeline(cls, pipeline_cls, path: str, cfg, components: dict[str, str]):
-        """Load a diffusers pipeline from a local folder (checked first) or a hub id, per-component dtypes."""
-        check_diffusers_version()
+    def _load_pipeline(cls, path: str, cfg, components: dict[str, str]):
+        """Load the diffusers pipeline `cls.pipeline_name` from a local folder or a hub id, per-component dtypes.
+
+        Order: the folder is checked first (ModelLayoutError), then the packages are imported (MissingExtraError),
+        so a wrong model.path is reported even where diffusers is not installed.
+        """
         local = check_model_dir(path, components, cls.family, cls.pipeline_name)
+        needed_by = f"model.name={cls.family}"
+        diffusers = require_extra("diffusers", needed_by)
+        require_extra("transformers", needed_by)  # the pipeline's text encoders and tokenizers
+        check_diffusers_version(needed_by)
+        pipeline_cls = getattr(diffusers, cls.pipeline_name)
         dtypes = load_dtypes(cfg.precision, cfg.trainable)
         # diffusers renamed `torch_dtype` to `dtype` (utils/deprecation_utils._resolve_dtype); both take a dict.
         from diffusers.utils import deprecation_utils
@@ -183,7 +223,7 @@ class DiffusersFlowModel(nn.Module):
         LoRA weights are kept in fp32 whatever the base dtype (bf16 autocast computes with them, AdamW updates fp32).
         init "gaussian" (A ~ N(0, 1/r), B = 0: the adapted model starts exactly at the base model), as flow_grpo.
         """
-        from peft import LoraConfig
+        LoraConfig = require_extra("peft", f"model.trainable=lora on model.name={self.family}").LoraConfig
 
         targets = list(cfg.lora_targets) if cfg.lora_targets else list(self.default_lora_targets)
         self.lora_targets = targets

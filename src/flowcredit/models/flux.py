@@ -98,13 +98,11 @@ class FluxFlowModel(DiffusersFlowModel):
             cfg: a ModelCfg; default ModelCfg(name="flux").
             **kwargs: resolution, embedded_guidance, max_sequence_length, cache_size, decode_batch_size.
         """
-        from diffusers import FluxPipeline
-
         from ..config.schema import ModelCfg
 
         cfg = copy.deepcopy(cfg) if cfg is not None else ModelCfg(name="flux")
         cfg.path = str(path)
-        pipe = cls._load_pipeline(FluxPipeline, str(path), cfg, FLUX_COMPONENTS)
+        pipe = cls._load_pipeline(str(path), cfg, FLUX_COMPONENTS)
         return cls(pipe, cfg, **kwargs)
 
     # ------------------------------------------------------------------------------------------- packing

@@ -84,13 +84,11 @@ class SD3FlowModel(DiffusersFlowModel):
             cfg: a ModelCfg (precision, trainable, LoRA settings, gradient checkpointing); default ModelCfg(name="sd3").
             **kwargs: resolution, max_sequence_length, cache_size, decode_batch_size.
         """
-        from diffusers import StableDiffusion3Pipeline
-
         from ..config.schema import ModelCfg
 
         cfg = copy.deepcopy(cfg) if cfg is not None else ModelCfg(name="sd3")
         cfg.path = str(path)
-        pipe = cls._load_pipeline(StableDiffusion3Pipeline, str(path), cfg, SD3_COMPONENTS)
+        pipe = cls._load_pipeline(str(path), cfg, SD3_COMPONENTS)
         return cls(pipe, cfg, **kwargs)
 
     # ------------------------------------------------------------------------------------------- protocol
