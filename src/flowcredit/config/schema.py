@@ -276,9 +276,20 @@ class TrainConfig:
                 "sampler.name=ode has no exploration noise, so objective.name=grpo cannot train a step; use flow_sde, "
                 "ddim_sde or cps, or a forward-process objective (objective.name=nft|awm)"
             )
+        if self.sampler.name == "ode" and self.sampler.shared_noise:
+            raise ValueError(
+                "sampler.shared_noise=true with sampler.name=ode makes every sample of a group identical (the ODE is "
+                "deterministic), so group advantages are 0; set sampler.shared_noise=false or use an SDE sampler"
+            )
+        if self.objective.name != "grpo" and self.optim.offload_reference:
+            raise ValueError(
+                f"optim.offload_reference is implemented for objective.name=grpo only (got {self.objective.name!r}); "
+                "set optim.offload_reference=false"
+            )
 
     @property
     def shared_noise(self) -> bool:
         if self.sampler.shared_noise is not None:
             return self.sampler.shared_noise
-        return self.method in ("stepwise", "vgpo")
+        # an ODE rollout from a shared x_T gives G identical samples: never shared by default
+        return self.method in ("stepwise", "vgpo") and self.sampler.name != "ode"

@@ -455,15 +455,16 @@ class ReferenceOffload:
                 torch.cuda.empty_cache()
 
     @torch.no_grad()
-    def step_means(self, traj, epochs, cond, uncond, params, guidance: float, chunk: int) -> tuple[torch.Tensor, int]:
+    def step_means(self, traj, pairs, cond, uncond, params, guidance: float, chunk: int) -> tuple[torch.Tensor, int]:
         """The reference policy's step means of every pair the update will train, computed in ONE pass with the
         reference on the device, which is then parked again: the policy's forward/backward passes run without it.
+        pairs: this rank's (row, step) pairs of the update (any order, repeats allowed).
         Returns ((B, T, *latent) means, filled where trained; the reference NFE spent)."""
         from ..samplers.policy import nfe_per_sample, policy_velocity
         from ..samplers.sde import sampler_step
         from ..types import cond_index
 
-        pairs = sorted({p for chunks in epochs for mine, _ in chunks for p in mine})
+        pairs = sorted(set(pairs))
         means = torch.zeros_like(traj.latents[:, :-1])
         self.load()
         try:

@@ -47,20 +47,28 @@ from ..config.load import dump_yaml
 from ..config.schema import TrainConfig
 from ..credit.base import CreditInput
 from ..credit.registry import assign_credit, needs_instant_rewards, needs_step_rewards
+from ..objectives import LossContext, build_objective
 from ..rewards.guards import GoldMonitor, HackingAlarm, group_diversity
 from ..samplers.estimates import denoise_estimate, trajectory_estimates
-from ..samplers.policy import nfe_per_sample, policy_velocity
+from ..samplers.policy import nfe_per_sample
 from ..samplers.rollout import rollout
 from ..samplers.schedules import time_grid
-from ..samplers.sde import SamplerParams, gaussian_kl_same_std, sampler_step
+from ..samplers.sde import SamplerParams
 from ..types import Trajectory, cond_index, cond_repeat
 from . import checkpoint
 from .checkpoint import rng_states, set_rng_states
 from .distributed import (
-    Dist, ReferenceOffload, Shard, apply_fsdp, build_optimizer, clip_grad_norm, enable_gradient_checkpointing, layout_noise, plan_update,
+    Dist,
+    ReferenceOffload,
+    Shard,
+    apply_fsdp,
+    build_optimizer,
+    clip_grad_norm,
+    enable_gradient_checkpointing,
+    layout_noise,
+    plan_update,
 )
 from .faults import NonFiniteGuard, RetryingCall, StopSignal, first_nonfinite, inject_point
-from .objectives import clipped_surrogate
 
 
 class TrainingError(RuntimeError):
@@ -179,6 +187,10 @@ class GRPOTrainer:
         self.gen = torch.Generator(device="cpu").manual_seed(cfg.run.seed)
         self.timesteps = time_grid(cfg.sampler.num_steps, cfg.sampler.shift, cfg.sampler.grid)
         self.params = sampler_params(cfg)
+        try:
+            self.objective = build_objective(cfg.objective.name, cfg.objective.options, cfg)
+        except ValueError as e:
+            raise TrainingError(str(e)) from None
         self.credit_state: dict[str, torch.Tensor] = {}
         self.iteration = 0
         self.nonfinite = NonFiniteGuard(cfg.faults.max_nonfinite, self.dist.is_main)
@@ -348,6 +360,9 @@ class GRPOTrainer:
                 train_fraction=cfg.sampler.timestep_fraction, ode_untrained=cfg.sampler.ode_untrained, cond=cond, uncond=uncond,
             )
         T = traj.num_steps
+        # grpo trains the stochastic steps inside timestep_fraction; forward-process objectives the first
+        # int(T·fraction) steps whatever the rollout SDE (an ODE rollout has no σ > 0 step)
+        traj.step_mask = self.objective.trained_steps(traj, cfg.sampler.timestep_fraction)
         stats["nfe_rollout"] = B * T * nfe
 
         # ---------------------------------------------------------------- REWARD
@@ -469,33 +484,37 @@ class GRPOTrainer:
         return inst, {"calls": flat.shape[0], "nfe": nfe}
 
     def update(self, traj: Trajectory, adv: torch.Tensor, cond, uncond) -> dict[str, Any]:
-        """PPO-clipped policy-gradient update over (sample, step) pairs with gradient accumulation.
+        """Gradient steps on the objective's loss over (sample, step) pairs with gradient accumulation.
 
-        The loss of one optimizer step is Σ_pairs [−min(r·A, clip(r)·A) + β·KL] / N_pairs, accumulated over
-        micro-batches of `optim.micro_batch` pairs, so micro-batch size never changes the gradient. The pairs and their
-        order are planned on the global batch (`distributed.plan_update`; zero-advantage pairs are skipped when there
-        is no KL term); each rank trains its rows with N_pairs the GLOBAL count and the gradients are summed over ranks.
+        The loss of one optimizer step is Σ_pairs objective.loss(pair) / N_pairs, accumulated over micro-batches of
+        `optim.micro_batch` pairs, so micro-batch size never changes the gradient. The pairs and their order are planned
+        on the global batch (`distributed.plan_update`; zero-advantage pairs are skipped when the objective says their
+        gradient is exactly zero); each rank trains its rows with N_pairs the GLOBAL count and the gradients are summed
+        over ranks. The objective (grpo / nft / awm, `flowcredit.objectives`) says what the loss of a pair is.
         """
-        cfg, model = self.cfg, self.model
+        cfg, model, obj = self.cfg, self.model, self.objective
         oc = cfg.optim
-        guidance = cfg.sampler.guidance_scale
+        on_policy = oc.inner_epochs == 1 and oc.updates_per_epoch == 1
         n_pairs, epochs = plan_update(
             self.dist.gather(adv), traj.step_mask, self.shard, seed=cfg.run.seed, iteration=self.iteration + 1,
             inner_epochs=oc.inner_epochs, updates_per_epoch=oc.updates_per_epoch,
-            steps_per_sample=cfg.sampler.train_steps_per_sample, skip_zero_adv=oc.kl_beta == 0,
+            steps_per_sample=cfg.sampler.train_steps_per_sample, skip_zero_adv=obj.skip_zero_advantage(on_policy, oc.kl_beta),
         )
-        on_policy = oc.inner_epochs == 1 and oc.updates_per_epoch == 1
         out: dict[str, Any] = {"pairs_trained": n_pairs, "_nfe": 0}
         if not n_pairs:
-            out.update(loss=0.0, grad_norm=0.0, clipfrac=0.0, approx_kl=0.0, kl=0.0, ratio_mean=1.0, parity_max_abs_dlogp=0.0, skipped_update=1)
+            out.update(loss=0.0, grad_norm=0.0, skipped_update=1, **{k: 0.0 for k in obj.sum_keys + obj.max_keys})
+            if "ratio_mean" in obj.sum_keys:
+                out["ratio_mean"] = 1.0
             return out
+        ctx = LossContext(
+            model=model, traj=traj, cond=cond, uncond=uncond, guidance=cfg.sampler.guidance_scale, params=self.params,
+            reference=self._reference, on_policy=on_policy, seed=cfg.run.seed, iteration=self.iteration + 1,
+            kl_beta=oc.kl_beta, micro_batch=oc.micro_batch, ref_offload=self.ref_offload,
+        )
         model.train()
+        out["_nfe"] += obj.prepare(ctx, [p for chunks in epochs for mine, _ in chunks for p in mine])
         acc: dict[str, list[float]] = {}
-        nfe = nfe_per_sample(uncond, guidance)
-        ref_means = None
-        if oc.kl_beta > 0 and self.ref_offload.enabled:  # optim.offload_reference: one reference pass, then park it
-            ref_means, ref_nfe = self.ref_offload.step_means(traj, epochs, cond, uncond, self.params, guidance, oc.micro_batch)
-            out["_nfe"] += ref_nfe
+        nfe = nfe_per_sample(uncond, cfg.sampler.guidance_scale)
         for chunks in epochs:
             for mine, n_chunk in chunks:  # this rank's (row, step) pairs of one optimizer step; its global pair count
                 self.opt.zero_grad(set_to_none=True)
@@ -508,41 +527,20 @@ class GRPOTrainer:
                         mb = [(0, int(traj.step_mask.nonzero()[0]))]
                     bi = torch.tensor([p[0] for p in mb])
                     ji = torch.tensor([p[1] for p in mb])
-                    x_t = traj.latents[bi, ji]
-                    x_next = traj.latents[bi, ji + 1]
-                    t, t_next = traj.timesteps[ji], traj.timesteps[ji + 1]
-                    c = cond_index(cond, bi)
-                    u = cond_index(uncond, bi) if uncond is not None else None
-                    v = policy_velocity(model, x_t, t, c, u, guidance)
-                    step = sampler_step(self.params, x_t, v, t, t_next, x_next=x_next)
-                    rollout_lp = traj.log_probs[bi, ji]
-                    old_lp = step.log_prob.detach() if on_policy else rollout_lp
-                    a = adv[bi, ji]
-                    loss_pg, st = clipped_surrogate(step.log_prob, old_lp, a, oc.clip_range)
-                    loss = loss_pg
-                    kl = torch.zeros_like(loss_pg)
-                    if oc.kl_beta > 0 and ref_means is not None:
-                        kl = gaussian_kl_same_std(step.mean, ref_means[bi, ji], step.kl_std, self.params.reduce)
-                        loss = loss + oc.kl_beta * kl
-                    elif oc.kl_beta > 0:
-                        with torch.no_grad(), self._reference() as ref_model:
-                            v_ref = policy_velocity(ref_model, x_t, t, c, u, guidance)
-                            ref = sampler_step(self.params, x_t, v_ref, t, t_next, x_next=x_next)
-                        kl = gaussian_kl_same_std(step.mean, ref.mean, step.kl_std, self.params.reduce)
-                        loss = loss + oc.kl_beta * kl
-                        out["_nfe"] += 0 if pad else len(mb) * nfe
-                    mb_loss = loss.sum() / n_chunk
+                    lo = obj.loss(ctx, bi, ji, adv[bi, ji])
+                    mb_loss = lo.loss.sum() / n_chunk
                     if pad:
                         (mb_loss * 0.0).backward()
                         continue
+                    out["_nfe"] += lo.nfe
                     nonfinite_loss |= not bool(torch.isfinite(mb_loss))
                     mb_loss.backward()
                     out["_nfe"] += len(mb) * nfe * 2  # forward + backward ≈ counted as 2 NFE-equivalents
-                    for k, val in st.items():
-                        acc.setdefault(k, []).append(float(val) * len(mb))
-                    acc.setdefault("kl", []).append(float(kl.detach().sum()))
-                    acc.setdefault("loss", []).append(float(loss.detach().sum()))
-                    acc.setdefault("parity", []).append(float((step.log_prob.detach() - rollout_lp).abs().max()))
+                    for k, val in lo.sums.items():
+                        acc.setdefault(k, []).append(val)
+                    acc.setdefault("loss", []).append(float(lo.loss.detach().sum()))
+                    for k, val in lo.maxes.items():
+                        acc.setdefault(k, []).append(val)
                 nonfinite_loss = self.dist.sync_grads(self.trainable, nonfinite_loss)  # Σ over ranks
                 gn = clip_grad_norm(self.trainable, oc.grad_clip)  # the global norm, also of FSDP shards
                 if nonfinite_loss or not torch.isfinite(gn):  # skip and count; stops after faults.max_nonfinite in a row
@@ -558,11 +556,12 @@ class GRPOTrainer:
                         for e, p in zip(self.ema, self.trainable):
                             e.lerp_(p.detach(), 1 - oc.ema_decay)
         n_total = n_pairs * oc.inner_epochs
-        keys = ("loss", "kl", "clipfrac", "approx_kl", "ratio_mean")
+        keys = ("loss",) + tuple(obj.sum_keys)
         for k, v in zip(keys, self.dist.sum([sum(acc.get(k, [0.0])) for k in keys])):  # Σ over ranks
             out[k] = v / n_total
         out["grad_norm"] = float(np.mean(acc.get("grad_norm", [0.0])))
-        out["parity_max_abs_dlogp"] = self.dist.max([max(acc.get("parity", [0.0]))])[0]
+        for k in obj.max_keys:
+            out[k] = self.dist.max([max(acc.get(k, [0.0]))])[0]
         return out
 
     def guard(self, stats: dict[str, Any]) -> None:

@@ -1,10 +1,11 @@
-"""PPO clipped surrogate and KL penalty, with hand-derived numbers."""
+"""grpo objective: PPO clipped surrogate and the Gaussian KL penalty, with hand-derived numbers."""
 
 import math
 
 import torch
 
-from flowcredit.trainer.objectives import clipped_surrogate, kl_penalty
+from flowcredit.objectives.grpo import clipped_surrogate
+from flowcredit.samplers.sde import gaussian_kl_same_std as kl_penalty
 
 E = math.e
 

@@ -1,0 +1,172 @@
+"""The `Objective` protocol and its registry: what the trainer's update minimises for a micro-batch of pairs.
+
+A *pair* is (sample b, rollout step j) with its advantage A[b, j] (B, T) from the credit estimator. The trainer
+plans which pairs each optimizer step trains (`trainer/distributed.plan_update`), accumulates gradients over
+micro-batches and steps the optimizer; an objective only says, for one micro-batch, what the loss of each pair is:
+
+    prepare(ctx, pairs)          once per update, before any optimizer step (e.g. π_old predictions, fresh noise)
+    loss(ctx, bi, ji, adv)       (n,) per-pair losses with grad + summed statistics
+
+Objectives (ALGORITHMS.md §3, §9):
+- `grpo` (objectives/grpo.py): PPO-clip on the SDE step log-probs + Gaussian KL to π_ref (Flow-GRPO §3).
+- `nft` (objectives/nft.py): DiffusionNFT's implicit positive/negative velocities on the forward process.
+- `awm` (objectives/awm.py): Advantage Weighted Matching, PPO-clip with the flow-matching loss as log-likelihood.
+
+Adding an objective = one file with a class and its options dataclass + `register_objective(...)`; the config says
+`objective: {name: NAME, options: {...}}` and the options are checked against the dataclass (unknown keys rejected
+with a suggestion, ranges in the field metadata as elsewhere in the config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from ..types import Trajectory
+
+
+@dataclass
+class LossContext:
+    """What a loss may read: the policy, the rollout, its conditioning, and the reference policy.
+
+    Attributes:
+        model: the FlowModel being trained (its `velocity` is called through `samplers.policy.policy_velocity`).
+        traj: the rollout: latents (B, T+1, *latent), timesteps (T+1,), log_probs (B, T), step_mask (T,).
+        cond / uncond: prompt conditioning of the B rows (uncond None without CFG).
+        guidance: CFG scale used in rollout AND loss.
+        params: samplers.sde.SamplerParams of the rollout SDE.
+        reference: zero-argument callable returning a context manager that yields π_ref (a frozen copy or the LoRA
+            model with its adapter disabled).
+        on_policy: one pass and one optimizer step per rollout batch, so θ_old = θ at every loss evaluation.
+        seed / iteration: for objectives that draw noise (seeded per run and iteration, so a resume redraws it).
+        kl_beta: optim.kl_beta, the weight of the KL to π_ref (0 = no reference forward).
+        micro_batch: optim.micro_batch, pairs per forward of a no-grad pass in `prepare`.
+        ref_offload: trainer/distributed.ReferenceOffload (optim.offload_reference), used by `grpo` only.
+    """
+
+    model: Any
+    traj: Trajectory
+    cond: Any
+    uncond: Any
+    guidance: float
+    params: Any
+    reference: Callable[[], Any]
+    on_policy: bool
+    seed: int
+    iteration: int
+    kl_beta: float
+    micro_batch: int = 64
+    ref_offload: Any = None
+
+
+@dataclass
+class LossOut:
+    """Per-pair losses of one micro-batch and its statistics.
+
+    Attributes:
+        loss: (n,) fp32 per-pair loss with grad; the trainer sums it over the micro-batch and divides by the
+            optimizer step's global pair count.
+        sums: statistic name → sum over the n pairs (float); the trainer reports Σ / number of trained pairs.
+        maxes: statistic name → max over the pairs (float), e.g. the log-prob parity of the rollout.
+        nfe: model forward-images spent besides the policy forward/backward (reference or π_old forwards).
+    """
+
+    loss: Tensor
+    sums: dict[str, float]
+    maxes: dict[str, float] = dataclasses.field(default_factory=dict)
+    nfe: int = 0
+
+
+class Objective(Protocol):
+    """One training objective. Instances are built once per run from their options dataclass."""
+
+    #: True when the loss needs the SDE step log-probs of the rollout (the rollout must have σ > 0 on trained steps).
+    needs_log_probs: bool
+    #: statistic names reported in `LossOut.sums` (the same on every rank, so they can be summed over ranks)
+    sum_keys: tuple[str, ...]
+    #: statistic names reported in `LossOut.maxes`
+    max_keys: tuple[str, ...]
+
+    def skip_zero_advantage(self, on_policy: bool, kl_beta: float) -> bool:
+        """True when a pair with A = 0 has exactly zero gradient, so the trainer may skip its forward/backward."""
+        ...
+
+    def trained_steps(self, traj: Trajectory, timestep_fraction: float) -> Tensor:
+        """(T,) bool: rollout steps whose pairs are trained."""
+        ...
+
+    def prepare(self, ctx: LossContext, pairs: list[tuple[int, int]]) -> int:
+        """Called once per update before any optimizer step with this rank's (row, step) pairs; returns its NFEs."""
+        ...
+
+    def loss(self, ctx: LossContext, bi: Tensor, ji: Tensor, adv: Tensor) -> LossOut:
+        """bi, ji: (n,) long rows and steps of the pairs; adv: (n,) their advantages. Returns LossOut."""
+        ...
+
+
+def first_steps(num_steps: int, timestep_fraction: float) -> Tensor:
+    """(T,) bool: j < int(T·timestep_fraction) (Flow-GRPO's `timestep_fraction`, ALGORITHMS.md §3.2)."""
+    return torch.arange(num_steps) < int(num_steps * timestep_fraction)
+
+
+@dataclass
+class ObjectiveSpec:
+    """A registered objective: `build(options, train_cfg) -> Objective`, its options dataclass, a description."""
+
+    name: str
+    build: Callable[[Any, Any], Objective]
+    options: type
+    help: str
+
+
+OBJECTIVES: dict[str, ObjectiveSpec] = {}
+
+
+def register_objective(name: str, build: Callable[[Any, Any], Objective], options: type, help: str = "") -> None:
+    """Declare an objective once: `build(options_instance, train_cfg) -> Objective` (train_cfg: the run's
+    TrainConfig, e.g. for optim.clip_range); `options` a dataclass whose fields all have defaults."""
+    if not dataclasses.is_dataclass(options):
+        raise TypeError(f"objective {name!r}: options must be a dataclass, got {options!r}")
+    OBJECTIVES[name] = ObjectiveSpec(name, build, options, help)
+
+
+def objective_spec(name: str) -> ObjectiveSpec:
+    from . import awm, grpo, nft  # noqa: F401  (registration side effect of the built-in objectives)
+
+    if name not in OBJECTIVES:
+        close = difflib.get_close_matches(name, list(OBJECTIVES), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"objective.name={name!r} is not a registered objective ({', '.join(sorted(OBJECTIVES))}){hint}")
+    return OBJECTIVES[name]
+
+
+def objective_options(name: str, options: dict[str, Any]):
+    """The options dataclass of objective `name` filled from `options`; unknown keys and out-of-range values are a
+    one-line ValueError naming `objective.options.KEY`."""
+    spec = objective_spec(name)
+    fields = {f.name: f for f in dataclasses.fields(spec.options)}
+    for k, v in (options or {}).items():
+        if k not in fields:
+            close = difflib.get_close_matches(k, list(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(fields)}"
+            raise ValueError(f"objective.options.{k} is not an option of objective {name!r}{hint}")
+        md = fields[k].metadata
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            for key, ok, word in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
+                                  ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")):
+                if key in md and not ok(v, md[key]):
+                    raise ValueError(f"objective.options.{k}={v} is out of range: must be {word} {md[key]}")
+        if "choices" in md and v not in md["choices"]:
+            raise ValueError(f"objective.options.{k}={v!r} must be one of {', '.join(map(repr, md['choices']))}")
+    return spec.options(**(options or {}))
+
+
+def build_objective(name: str, options: dict[str, Any], train_cfg: Any = None) -> Objective:
+    """The objective `name` built from its (checked) options and the run's TrainConfig."""
+    return objective_spec(name).build(objective_options(name, options), train_cfg)

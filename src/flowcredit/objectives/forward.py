@@ -1,0 +1,116 @@
+"""What the forward-process objectives (`nft`, `awm`) share: noising the model's own samples.
+
+For a pair (b, j) with the rollout's final sample x0 = x^(T)[b] and the rollout-grid time t = t_j (ALGORITHMS.md §9.1):
+
+    noise = fresh:    ε ~ N(0, I) drawn once per update,  x_t = (1 − t)·x0 + t·ε
+    noise = rollout:  x_t = x^(j) (the rollout's own state), ε = (x_t − (1 − t)·x0) / t
+
+so the flow-matching target is u = ε − x0 and the model's clean-image estimate is x̂0 = x_t − t·v.
+Pairing the advantage A[b, j] with the grid time t_j is how per-step credit (stepwise gains, VGPO ω-weighted
+advantages) weights a forward-process loss per timestep; a sample-level credit (flow_grpo) is constant over j.
+DiffusionNFT (`scripts/train_nft_sd3.py`) and AWM (Flow-Factory `trainers/awm.py`) both train the rollout's grid
+times with fresh noise; `noise=rollout` is our option for ODE rollouts, whose states lie on the policy's own path.
+
+The rollout may be the ODE (no log-probs needed): the trained steps are the first int(T·timestep_fraction).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..samplers.policy import nfe_per_sample, policy_velocity
+from ..types import Trajectory, cond_index
+from .base import LossContext, first_steps
+
+STREAM_FORWARD_NOISE = 0x4E4654  # derived_generator stream of the forward-process noise ("NFT")
+
+NoiseMode = Literal["fresh", "rollout"]
+
+
+def noise_generator(seed: int, iteration: int) -> torch.Generator:
+    """CPU generator of the forward-process noise of one iteration (the same on every rank and every resume)."""
+    s = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, STREAM_FORWARD_NOISE, int(iteration)]).generate_state(2, np.uint32)
+    return torch.Generator(device="cpu").manual_seed(int(s[0]) << 31 ^ int(s[1]))
+
+
+class ForwardProcess:
+    """Draws the per-update noise, builds x_t and keeps π_old's velocities for off-policy updates.
+
+    Attributes:
+        noise: "fresh" or "rollout".
+        eps: (B, T, *latent) fresh noise of the current update (noise=fresh).
+        v_old: (B, T, *latent) velocities of θ at the start of the update where pairs are trained (off-policy only).
+    """
+
+    def __init__(self, noise: NoiseMode):
+        self.noise = noise
+        self.eps: Tensor | None = None
+        self.v_old: Tensor | None = None
+
+    @staticmethod
+    def trained_steps(traj: Trajectory, timestep_fraction: float) -> Tensor:
+        """(T,) bool: j < int(T·timestep_fraction), whether the rollout step was stochastic or not."""
+        return first_steps(traj.num_steps, timestep_fraction).to(traj.step_mask.device)
+
+    def prepare(self, ctx: LossContext, pairs: list[tuple[int, int]]) -> int:
+        """Draw this update's noise (seeded by run seed and iteration) and, off-policy, π_old's velocities."""
+        traj = ctx.traj
+        lat = traj.latents
+        self.eps = None
+        if self.noise == "fresh":
+            gen = noise_generator(ctx.seed, ctx.iteration)
+            shape = (lat.shape[0], traj.num_steps, *lat.shape[2:])
+            self.eps = torch.randn(shape, generator=gen, dtype=torch.float32).to(device=lat.device, dtype=lat.dtype)
+        self.v_old = None
+        if ctx.on_policy or not pairs:
+            return 0
+        # θ_old = θ at the start of the update: one no-grad pass over every pair before the first optimizer step
+        self.v_old = torch.zeros_like(lat[:, :-1])
+        uniq = sorted(set(pairs))
+        with torch.no_grad():
+            for s in range(0, len(uniq), ctx.micro_batch):
+                bi = torch.tensor([p[0] for p in uniq[s : s + ctx.micro_batch]])
+                ji = torch.tensor([p[1] for p in uniq[s : s + ctx.micro_batch]])
+                x_t, t, _, _ = self.noised(ctx, bi, ji)
+                self.v_old[bi, ji] = self.velocity(ctx, ctx.model, x_t, t, bi)
+        return len(uniq) * nfe_per_sample(ctx.uncond, ctx.guidance)
+
+    def noised(self, ctx: LossContext, bi: Tensor, ji: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x_t (n, *latent), t (n,), x0 (n, *latent), ε (n, *latent) of the pairs (bi, ji)."""
+        traj = ctx.traj
+        x0 = traj.latents[bi, -1]
+        t = traj.timesteps[ji].to(x0.dtype)
+        tb = t.view(-1, *([1] * (x0.dim() - 1)))
+        if self.noise == "fresh":
+            eps = self.eps[bi, ji]
+            x_t = (1 - tb) * x0 + tb * eps
+        else:
+            x_t = traj.latents[bi, ji]
+            eps = (x_t - (1 - tb) * x0) / tb
+        return x_t, t, x0, eps
+
+    @staticmethod
+    def velocity(ctx: LossContext, model, x_t: Tensor, t: Tensor, bi: Tensor) -> Tensor:
+        """The ONE policy velocity (CFG as in the rollout) of `model` at (x_t, t) for rows bi: (n, *latent)."""
+        c = cond_index(ctx.cond, bi)
+        u = cond_index(ctx.uncond, bi) if ctx.uncond is not None else None
+        return policy_velocity(model, x_t, t, c, u, ctx.guidance)
+
+    def old_velocity(self, ctx: LossContext, v: Tensor, bi: Tensor, ji: Tensor) -> Tensor:
+        """π_old's velocity of the pairs: v.detach() on-policy (θ_old = θ), else the one recorded in `prepare`."""
+        return v.detach() if self.v_old is None else self.v_old[bi, ji]
+
+    @staticmethod
+    def velocity_kl(ctx: LossContext, v: Tensor, x_t: Tensor, t: Tensor, bi: Tensor) -> tuple[Tensor, int]:
+        """(n,) mean_d (v_θ − v_ref)² (DiffusionNFT's and AWM's KL in velocity space) and the NFEs it cost; zeros
+        without a reference forward when optim.kl_beta = 0."""
+        if ctx.kl_beta <= 0:
+            return torch.zeros(v.shape[0], device=v.device), 0
+        with torch.no_grad(), ctx.reference() as ref_model:
+            v_ref = ForwardProcess.velocity(ctx, ref_model, x_t, t, bi)
+        kl = (v.float() - v_ref.float()).pow(2).flatten(1).mean(1)
+        return kl, len(bi) * nfe_per_sample(ctx.uncond, ctx.guidance)

@@ -1,0 +1,119 @@
+"""`nft`: DiffusionNFT's negative-aware fine-tuning on the forward process (Zheng et al. 2025, §3–4; ALGORITHMS.md §9.2).
+
+For a pair (b, j) with x_t, t, x0 from `forward.ForwardProcess` and the advantage A = A[b, j]:
+
+    r    = clamp(clamp(A, −m, m) / (2m) + 1/2, 0, 1)           optimality probability, m = adv_clip_max
+    v⁺   = β·v_θ + (1 − β)·v_old                                implicit positive policy
+    v⁻   = (1 + β)·v_old − β·v_θ                                implicit negative policy
+    x̂0±  = x_t − t·v±
+    w±   = sg(mean_d |x̂0± − x0|) ∨ 1e-5                         adaptive weight (adaptive_weight=true)
+    L    = m · [ r·mean_d (x̂0⁺ − x0)² / w⁺ + (1 − r)·mean_d (x̂0⁻ − x0)² / w⁻ ] / β + kl_beta·mean_d (v_θ − v_ref)²
+
+v_old is π_old's velocity (sg(v_θ) on-policy: one optimizer step per rollout batch). At v_θ = v_old both x̂0± equal
+x̂0(v_old), so ∇_v L = m·(2r − 1)·∇_v mean_d (x̂0 − x0)² / w: advantage-weighted flow matching, zero at A = 0
+(tests/objectives/test_nft.py). Read from NVlabs/DiffusionNFT `scripts/train_nft_sd3.py` (m = 5, GenEval β = 1).
+
+Divergence (documented in ALGORITHMS.md §9.2): DiffusionNFT's π_old is a second adapter soft-updated after every
+optimizer step with a decay ramp min(0.001·step, 0.5) (≈ the current policy for the first hundreds of steps), and the
+rollouts sample from it; here π_old is θ at the start of the update (identical for one step per rollout batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..types import Trajectory
+from .base import LossContext, LossOut, register_objective
+from .forward import ForwardProcess, NoiseMode
+
+
+@dataclass
+class NFTOptions:
+    beta: float = field(default=1.0, metadata={"help": "β of the implicit policies v± (DiffusionNFT GenEval: 1.0; OCR 0.1).", "gt": 0})
+    adv_clip_max: float = field(default=5.0, metadata={"help": "m: advantages are clipped to ±m and mapped to r ∈ [0, 1].", "gt": 0})
+    adaptive_weight: bool = field(default=True, metadata={"help": "Divide each x̂0 error by its detached mean |error| (DiffusionNFT)."})
+    noise: NoiseMode = field(
+        default="fresh", metadata={"help": "fresh ε per pair, or the rollout's own state x^(j) as x_t.", "choices": ("fresh", "rollout")}
+    )
+
+
+def nft_pair_loss(
+    v: Tensor, v_old: Tensor, x_t: Tensor, t: Tensor, x0: Tensor, adv: Tensor, opts: NFTOptions
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DiffusionNFT's policy loss of n pairs (without the KL term).
+
+    Args:
+        v: (n, *latent) policy velocity v_θ(x_t, t) (with grad).
+        v_old: (n, *latent) π_old's velocity (detached).
+        x_t: (n, *latent) noised sample; t: (n,) times in (0, 1]; x0: (n, *latent) the clean sample.
+        adv: (n,) advantages.
+        opts: NFTOptions (β, m, adaptive weight).
+
+    Returns:
+        ((n,) fp32 losses, {"r": (n,), "fm_mse": (n,)} detached): r the optimality probability, fm_mse the plain
+        mean_d (x̂0(v_θ) − x0)² of the pair.
+    """
+    v, v_old, x_t, x0 = v.float(), v_old.float().detach(), x_t.float(), x0.float()
+    m, beta = opts.adv_clip_max, opts.beta
+    r = (adv.float().clamp(-m, m) / m / 2.0 + 0.5).clamp(0.0, 1.0)
+    tb = t.float().view(-1, *([1] * (x0.dim() - 1)))
+    v_pos = beta * v + (1.0 - beta) * v_old
+    v_neg = (1.0 + beta) * v_old - beta * v
+    dims = tuple(range(1, x0.dim()))
+    err_pos = x_t - tb * v_pos - x0
+    err_neg = x_t - tb * v_neg - x0
+    if opts.adaptive_weight:
+        w_pos = err_pos.detach().abs().mean(dim=dims, keepdim=True).clamp(min=1e-5)
+        w_neg = err_neg.detach().abs().mean(dim=dims, keepdim=True).clamp(min=1e-5)
+    else:
+        w_pos = w_neg = torch.ones_like(tb)
+    l_pos = (err_pos.pow(2) / w_pos).mean(dim=dims)
+    l_neg = (err_neg.pow(2) / w_neg).mean(dim=dims)
+    loss = m * (r * l_pos + (1.0 - r) * l_neg) / beta
+    with torch.no_grad():
+        fm = (x_t - tb * v - x0).pow(2).mean(dim=dims)
+    return loss, {"r": r.detach(), "fm_mse": fm}
+
+
+class NFTObjective:
+    needs_log_probs = False
+    sum_keys = ("kl", "nft_r", "fm_mse", "old_deviate")
+    max_keys = ()
+
+    def __init__(self, options: NFTOptions):
+        self.options = options
+        self.fp = ForwardProcess(options.noise)
+
+    def skip_zero_advantage(self, on_policy: bool, kl_beta: float) -> bool:
+        # r = 1/2 gives zero gradient only at v_θ = v_old (on-policy) and without a KL term
+        return on_policy and kl_beta == 0
+
+    def trained_steps(self, traj: Trajectory, timestep_fraction: float) -> Tensor:
+        return self.fp.trained_steps(traj, timestep_fraction)
+
+    def prepare(self, ctx: LossContext, pairs: list[tuple[int, int]]) -> int:
+        return self.fp.prepare(ctx, pairs)
+
+    def loss(self, ctx: LossContext, bi: Tensor, ji: Tensor, adv: Tensor) -> LossOut:
+        x_t, t, x0, _ = self.fp.noised(ctx, bi, ji)
+        v = self.fp.velocity(ctx, ctx.model, x_t, t, bi)
+        v_old = self.fp.old_velocity(ctx, v, bi, ji)
+        loss, st = nft_pair_loss(v, v_old, x_t, t, x0, adv, self.options)
+        kl, nfe = self.fp.velocity_kl(ctx, v, x_t, t, bi)
+        loss = loss + ctx.kl_beta * kl
+        sums = {
+            "kl": float(kl.detach().sum()),
+            "nft_r": float(st["r"].sum()),
+            "fm_mse": float(st["fm_mse"].sum()),
+            "old_deviate": float((v.detach().float() - v_old.float()).pow(2).flatten(1).mean(1).sum()),
+        }
+        return LossOut(loss=loss, sums=sums, nfe=nfe)
+
+
+register_objective(
+    "nft", lambda o, cfg: NFTObjective(o), NFTOptions,
+    "DiffusionNFT: implicit positive/negative velocities on the forward process of the model's samples (ODE rollouts).",
+)
