@@ -18,43 +18,12 @@ import json
 import sys
 from pathlib import Path
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
-DEFAULT_PRESET = "tiny_flow_grpo"
+from ..config.resolve import DEFAULT_PRESET, PRESET_DIR, resolve_train_config  # noqa: F401  (re-exported)
 
 
 def _fail(msg: str) -> int:
     print(f"error: {msg}", file=sys.stderr)
     return 2
-
-
-def resolve_train_config(args: list[str]):
-    """Split `train` arguments into preset/file and overrides; return (TrainConfig, preset name)."""
-    from ..config import load_config
-    from ..config.schema import TrainConfig
-
-    presets = [a for a in args if "=" not in a]
-    overrides = [a for a in args if "=" in a]
-    if len(presets) > 1:
-        raise ValueError(f"give at most one preset or YAML file, got {presets}; everything else must be key=value")
-    resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
-    if resume:  # resume=RUN_DIR: the run's own config.yaml, its folder, then any further overrides
-        run_dir = Path(resume[-1])
-        if presets:
-            raise ValueError(f"resume={run_dir} uses that run's config.yaml; drop {presets[0]}")
-        if not (run_dir / "config.yaml").is_file():
-            raise FileNotFoundError(f"resume={run_dir}: no config.yaml there; give a run folder written by `flowcredit train`")
-        overrides = [o for o in overrides if not o.startswith("resume=")] + [f"run.out_dir={run_dir}"]
-        cfg = load_config(TrainConfig, str(run_dir / "config.yaml"), overrides, preset_dirs=[PRESET_DIR])
-        return cfg, run_dir.name
-    if presets:
-        preset = presets[0]
-    else:
-        method = next((o.split("=", 1)[1] for o in overrides if o.startswith("method=")), None)
-        preset = f"tiny_{method}" if method else DEFAULT_PRESET
-        if method and not (PRESET_DIR / f"{preset}.yaml").exists():
-            preset = DEFAULT_PRESET
-    cfg = load_config(TrainConfig, preset, overrides, preset_dirs=[PRESET_DIR])
-    return cfg, Path(preset).stem
 
 
 def cmd_train(ns) -> int:
@@ -102,42 +71,10 @@ def cmd_train(ns) -> int:
 
 
 def load_any_model(path: str | None, precision: str = "fp32"):
-    """A tiny model from: None (shipped), a .safetensors file, a trainer checkpoint .pt, or a run folder."""
-    import torch
+    """`models.loading.load_any_model` (imported on use: torch stays off the CLI's start-up path)."""
+    from ..models.loading import load_any_model as _load
 
-    from ..models.tiny import TinyDiTConfig, TinyFlowModel
-
-    if path is None:
-        model = TinyFlowModel.load(None)
-    else:
-        p = Path(path)
-        if p.is_dir() and (p / "checkpoints").is_dir():
-            cks = sorted((p / "checkpoints").glob("iter*.pt"))
-            if not cks:
-                raise FileNotFoundError(f"run folder '{p}' has no checkpoints/iter*.pt yet")
-            p = cks[-1]
-        if p.suffix == ".pt":
-            if not p.exists():
-                raise FileNotFoundError(f"checkpoint '{p}' not found")
-            st = torch.load(p, weights_only=False, map_location="cpu")
-            model = TinyFlowModel(TinyDiTConfig(**st["model_config"]))
-            if st.get("lora"):  # a LoRA run: rebuild its adapter to load the state, then evaluate the merged weights
-                model.add_lora(**st["lora"])
-            state = dict(st["model"])
-            if st.get("ema"):
-                state.update(st["ema"])  # evaluate the EMA weights when the run kept them
-            model.net.load_state_dict(state)
-            if model.has_lora:
-                merged = TinyFlowModel(model.cfg)
-                merged.net.load_state_dict(model.merged_state_dict())
-                model = merged
-            model.eval()
-        else:
-            model = TinyFlowModel.load(p)
-    from ..models.precision import resolve_precision
-
-    model.compute_dtype = torch.bfloat16 if resolve_precision(precision) == "bf16" else torch.float32
-    return model
+    return _load(path, precision)
 
 
 def cmd_eval(ns) -> int:

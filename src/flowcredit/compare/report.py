@@ -286,7 +286,7 @@ def reward_trajectory_figure(run: Path, png: Path, prompt_index: int = 0, group:
     import matplotlib.pyplot as plt
     import torch
 
-    from ..cli.main import load_any_model
+    from ..models.loading import load_any_model
     from ..config import load_config
     from ..config.schema import TrainConfig
     from ..rewards.shapes import ShapesReward

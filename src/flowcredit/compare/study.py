@@ -114,7 +114,7 @@ def _identity(cfg) -> dict:
 
 def resolved_config(study: Study, run: StudyRun, seed: int, out: Path, threads: int):
     """The TrainConfig `flowcredit train` will resolve for this (arm, seed)."""
-    from ..cli.main import resolve_train_config
+    from ..config.resolve import resolve_train_config
 
     return resolve_train_config(train_command(study, run, seed, out, threads)[4:])[0]
 

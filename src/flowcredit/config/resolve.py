@@ -1,0 +1,56 @@
+"""Training-config resolution: `flowcredit train` arguments → (TrainConfig, preset name).
+
+    resolve_train_config(["tiny_stepwise", "run.iterations=50"])  # a preset + key=value overrides
+    resolve_train_config(["method=vgpo"])                         # method=X alone picks the preset tiny_X
+    resolve_train_config(["resume=runs/x", "run.iterations=80"])  # a run's own config.yaml, then overrides
+
+Owned by `config` so that `cli`, `compare` and scripts resolve a run the same way without importing the CLI.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .load import load_config
+from .schema import TrainConfig
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_PRESET = "tiny_flow_grpo"
+
+
+def resolve_train_config(args: list[str]) -> tuple[TrainConfig, str]:
+    """Split `train` arguments into preset/file and overrides; return (TrainConfig, preset name).
+
+    Args:
+        args: at most one preset name or YAML path, everything else `key=value` (`resume=RUN_DIR` included).
+
+    Raises:
+        ValueError: two presets, or a preset given with `resume=`.
+        FileNotFoundError: `resume=` names a folder without config.yaml.
+        ConfigError: a bad key or value (from `load_config`).
+    """
+    presets = [a for a in args if "=" not in a]
+    overrides = [a for a in args if "=" in a]
+    if len(presets) > 1:
+        raise ValueError(f"give at most one preset or YAML file, got {presets}; everything else must be key=value")
+    resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
+    if resume:  # resume=RUN_DIR: the run's own config.yaml, its folder, then any further overrides
+        run_dir = Path(resume[-1])
+        if presets:
+            raise ValueError(f"resume={run_dir} uses that run's config.yaml; drop {presets[0]}")
+        if not (run_dir / "config.yaml").is_file():
+            raise FileNotFoundError(
+                f"resume={run_dir}: no config.yaml there; give a run folder written by `flowcredit train`"
+            )
+        overrides = [o for o in overrides if not o.startswith("resume=")] + [f"run.out_dir={run_dir}"]
+        cfg = load_config(TrainConfig, str(run_dir / "config.yaml"), overrides, preset_dirs=[PRESET_DIR])
+        return cfg, run_dir.name
+    if presets:
+        preset = presets[0]
+    else:
+        method = next((o.split("=", 1)[1] for o in overrides if o.startswith("method=")), None)
+        preset = f"tiny_{method}" if method else DEFAULT_PRESET
+        if method and not (PRESET_DIR / f"{preset}.yaml").exists():
+            preset = DEFAULT_PRESET
+    cfg = load_config(TrainConfig, preset, overrides, preset_dirs=[PRESET_DIR])
+    return cfg, Path(preset).stem
