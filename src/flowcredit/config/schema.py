@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from ..credit.base import CreditCfg
+from .credit import CreditCfg
 
 
 def _h(default, text: str, *, ge=None, gt=None, le=None, lt=None, **kw):
