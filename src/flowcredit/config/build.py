@@ -1,0 +1,293 @@
+"""`from_dict`: nested mappings -> dataclasses, strictly (unknown keys, types, Literals, ranges, links)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from .annotations import (
+    _default,
+    _describe_value,
+    _has_default,
+    _how_to_write,
+    _init_fields,
+    _is_union,
+    _type_hints,
+    _type_name,
+)
+from .keys import ConfigError, SourceMap, _at, _item, _join, _source_of, _sources_inside
+from .ranges import _out_of_range, _range_error
+
+T = TypeVar("T")
+
+
+def _lookup(data: Mapping, dotted: str) -> tuple[bool, Any]:
+    """(found, value) of a dotted key inside nested mappings."""
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _with_value(data: Mapping, dotted: str, value: Any) -> dict | None:
+    """A copy of `data` with `dotted` set to `value` (missing or null sections are created); None if a section on the
+    way is some other value (the type check will report it)."""
+    head, _, rest = dotted.partition(".")
+    out = dict(data)
+    if not rest:
+        out[head] = value
+        return out
+    inner = data.get(head)
+    if inner is None:
+        inner = {}
+    if not isinstance(inner, Mapping):
+        return None
+    sub = _with_value(inner, rest, value)
+    if sub is None:
+        return None
+    out[head] = sub
+    return out
+
+
+class _Builder:
+    """One conversion run: holds the source map so every error can say where the value came from."""
+
+    def __init__(self, sources: SourceMap):
+        self.sources = sources
+
+    def error(self, path: str, message: Callable[[str, str], str]) -> ConfigError:
+        """ConfigError for the value at `path`; `message(key, at)` gets the key and " at <source>" (or "")."""
+        source = _source_of(self.sources, path)
+        return ConfigError(message(path or "<config>", _at(source)), key=path, source=source)
+
+    def wrong_type(self, path: str, value: Any, tp: Any, extra: str = "") -> ConfigError:
+        got = f"{_describe_value(value)}{extra}; {_how_to_write(tp)}"
+        return self.error(path, lambda key, at: f"'{key}'{at} must be {_type_name(tp)}, got {got}")
+
+    def convert(self, value: Any, tp: Any, path: str, coerce: bool = True) -> Any:
+        """Check `value` against annotation `tp`, coercing where safe; raise ConfigError otherwise."""
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+
+        if tp is Any or tp is object:
+            return copy.deepcopy(value)
+
+        if value is None:
+            if tp is type(None) or (_is_union(tp) and type(None) in args):
+                return None
+            if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+                return self.build(tp, {}, path)  # an empty section header (`sampler:`) means "all defaults"
+            raise self.error(
+                path, lambda key, at: f"'{key}'{at} is null but must be {_type_name(tp)}; give a value or remove it"
+            )
+
+        if _is_union(tp):
+            arms = [a for a in args if a is not type(None)]
+            # Exact matches first, so `int | str` keeps "3" a str and `float | str` keeps "1e-4" a str.
+            for strict in (True, False):
+                for arm in arms:
+                    try:
+                        return self.convert(value, arm, path, coerce=not strict)
+                    except ConfigError:
+                        pass
+            raise self.wrong_type(path, value, tp)
+
+        if origin is Literal:
+            if any(value == a and type(value) is type(a) for a in args):
+                return value
+            allowed = ", ".join(repr(a) for a in args)
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise self.error(path, lambda key, at: f"'{key}'{at} must be one of {allowed}, got {value!r}{hint}")
+
+        if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+            if isinstance(value, tp):
+                return copy.deepcopy(value)
+            if not isinstance(value, Mapping):
+                raise self.wrong_type(path, value, tp)
+            return self.build(tp, value, path)
+
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if coerce and isinstance(value, str) and value.lower() in ("true", "false"):
+                return value.lower() == "true"
+            raise self.wrong_type(path, value, tp)
+
+        if tp is int:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            raise self.wrong_type(path, value, tp)
+
+        if tp is float:
+            if isinstance(value, float) or (coerce and isinstance(value, int) and not isinstance(value, bool)):
+                return float(value)
+            if coerce and isinstance(value, str):
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+            raise self.wrong_type(path, value, tp)
+
+        if tp is str:
+            if isinstance(value, str):
+                return value
+            raise self.wrong_type(path, value, tp)
+
+        if tp is Path:
+            if isinstance(value, (str, Path)):
+                return Path(value)
+            raise self.wrong_type(path, value, tp)
+
+        if origin in (list, Sequence) or tp in (list, Sequence):
+            if not isinstance(value, (list, tuple)):
+                raise self.wrong_type(path, value, tp)
+            item_tp = args[0] if args else Any
+            return [self.convert(v, item_tp, _item(path, i), coerce) for i, v in enumerate(value)]
+
+        if origin is tuple or tp is tuple:
+            if not isinstance(value, (list, tuple)):
+                raise self.wrong_type(path, value, tp)
+            if not args or (len(args) == 2 and args[1] is Ellipsis):
+                item_tp = args[0] if args else Any
+                return tuple(self.convert(v, item_tp, _item(path, i), coerce) for i, v in enumerate(value))
+            if len(value) != len(args):
+                raise self.wrong_type(path, value, tp, f" ({len(value)} items instead of {len(args)})")
+            return tuple(self.convert(v, a, _item(path, i), coerce) for i, (v, a) in enumerate(zip(value, args)))
+
+        if origin in (dict, Mapping) or tp in (dict, Mapping):
+            if not isinstance(value, Mapping):
+                raise self.wrong_type(path, value, tp)
+            key_tp, val_tp = args if args else (Any, Any)
+            out = {}
+            for k, v in value.items():
+                sub = _join(path, k)
+                out[self.convert(k, key_tp, sub + " (key)", coerce)] = self.convert(v, val_tp, sub, coerce)
+            return out
+
+        if isinstance(tp, type):
+            if isinstance(value, tp):
+                return copy.deepcopy(value)
+            raise self.wrong_type(path, value, tp)
+        raise TypeError(f"flowcredit.config does not support the annotation {tp!r} (key '{path}')")
+
+    def apply_links(self, cls: type, data: Mapping, path: str) -> Mapping:
+        """Fields whose value is the default of another key: metadata ``sets="section.key"`` (relative to `cls`),
+        optionally ``unless=(values that set nothing,)``.
+
+        When the other key is not in `data` it takes the field's value; when it is set to a different value the
+        two contradict each other: ConfigError naming both keys, where each came from, and the two ways to fix it.
+        Returns `data`, or a copy with the linked key filled in.
+        """
+        hints = _type_hints(cls)
+        for f in _init_fields(cls):
+            target = f.metadata.get("sets")
+            if target is None:
+                continue
+            sub = _join(path, f.name)
+            value = self.convert(data[f.name], hints[f.name], sub) if f.name in data else _default(f)
+            unless = tuple(f.metadata.get("unless", ()))
+            if value in unless:
+                continue
+            found, given = _lookup(data, target)
+            if not found:
+                data = _with_value(data, target, value) or data
+                continue
+            if type(given) is not type(value) or given == value:
+                continue  # equal, or a wrong type that the type check reports
+            key = _join(path, target)
+            src_given = _source_of(self.sources, key)
+            src_value = _source_of(self.sources, sub) if f.name in data else "default"
+            fixes = []
+            try:
+                self.convert(given, hints[f.name], sub)
+                fixes.append(f"{sub}={given}")
+            except ConfigError:
+                pass
+            if unless:
+                fixes.append(f"{sub}={unless[0]} with {key}={given}")
+            fix = f"use {', or '.join(fixes)}" if fixes else f"remove {key} (it follows {sub})"
+            raise ConfigError(
+                f"{key} = {given!r}{f' ({src_given})' if src_given else ''} contradicts {sub} = {value!r}"
+                f"{f' ({src_value})' if src_value else ''}, which sets {key}; {fix}",
+                key=key,
+                source=src_given,
+            )
+        return data
+
+    def build(self, cls: type[T], data: Mapping, path: str) -> T:
+        """Build dataclass `cls` from mapping `data` found at dotted `path`."""
+        hints = _type_hints(cls)
+        fields = {f.name: f for f in _init_fields(cls)}
+        section = f"'{path}'" if path else "the top level"
+
+        for key in data:
+            if key not in fields:
+                close = difflib.get_close_matches(str(key), list(fields), n=1)
+                hint = f"did you mean '{close[0]}'? " if close else ""
+                tail = "" if close else "; remove it or move it to the section it belongs to"
+                valid = f"valid keys in {section}: {', '.join(fields) or '(none)'}{tail}"
+                raise self.error(_join(path, key), lambda k, at: f"unknown key '{k}'{at}; {hint}{valid}")
+
+        data = self.apply_links(cls, data, path)
+        kwargs = {}
+        for name, f in fields.items():
+            sub = _join(path, name)
+            if name in data:
+                kwargs[name] = self.convert(data[name], hints[name], sub)
+                bad = _out_of_range(f.metadata, kwargs[name], sub)
+                if bad is not None:
+                    raise _range_error(*bad, _source_of(self.sources, bad[0]))
+            elif not _has_default(f):
+                source = _source_of(self.sources, path)
+                raise ConfigError(
+                    f"missing required key '{sub}' (type {_type_name(hints[name])}) in {section}{_at(source)};"
+                    f" set it in the YAML or with the override {sub}=VALUE",
+                    key=sub,
+                    source=source,
+                )
+
+        try:
+            return cls(**kwargs)
+        except ValueError as e:  # a cross-field check in __post_init__ (ConfigError included)
+            where = f"section '{path}'" if path else f"config {cls.__name__}"
+            origins = _sources_inside(self.sources, path)
+            frm = f" (values from {', '.join(origins[:4])}{', ...' if len(origins) > 4 else ''})" if origins else ""
+            raise ConfigError(
+                f"invalid {where}{frm}: {e}; fix these values", key=path, source=", ".join(origins)
+            ) from e
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any] | None, *, source: SourceMap | str | None = None) -> T:
+    """Build the nested dataclass `cls` from a plain mapping, strictly.
+
+    Args:
+        cls: the root config dataclass.
+        data: nested mappings as read from YAML (missing keys take the dataclass defaults). Not modified.
+        source: where the values came from, for error messages: a map dotted key -> "file.yaml:LINE" /
+            "override 'a.b=c'" (the line map of `load_yaml`), or one string for all values.
+
+    Returns:
+        An instance of `cls`.
+
+    Raises:
+        ConfigError: unknown key (with a close-match suggestion), wrong type, value outside a Literal or outside
+            its declared range, two linked keys that contradict each other, missing required key, or a ValueError
+            raised by a ``__post_init__`` (re-raised naming the section).
+    """
+    if not (dataclasses.is_dataclass(cls) and isinstance(cls, type)):
+        raise TypeError(f"from_dict needs a dataclass type, got {cls!r}")
+    sources: SourceMap = {"": source} if isinstance(source, str) else (source or {})
+    builder = _Builder(sources)
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        got = _describe_value(data)
+        raise builder.error("", lambda key, at: f"the config{at} must be a mapping of keys, got {got}")
+    return builder.build(cls, data, "")

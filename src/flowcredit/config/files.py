@@ -1,0 +1,236 @@
+"""YAML files with a line map of every key, named presets and `base:` chains."""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .annotations import _describe_value
+from .keys import ConfigError, _display_path, _is_under, _item, _join
+
+BASE_KEY = "base"  # the YAML key naming the preset a file starts from
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    parts = [getattr(err, "context", None), getattr(err, "problem", None)]
+    text = ", ".join(p for p in parts if p) or str(err)
+    return " ".join(text.split())
+
+
+def _check_duplicate_keys(node: yaml.Node, shown: str) -> None:
+    """PyYAML silently keeps the last of two equal keys; a config file with both is a mistake."""
+    seen_nodes: set[int] = set()
+    stack: list[tuple[yaml.Node, str]] = [(node, "")]
+    while stack:
+        n, path = stack.pop()
+        if id(n) in seen_nodes:  # aliases share nodes
+            continue
+        seen_nodes.add(id(n))
+        if isinstance(n, yaml.MappingNode):
+            first: dict[tuple[str, str], int] = {}
+            for key_node, value_node in n.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    stack.append((value_node, path))
+                    continue
+                sub = _join(path, key_node.value)
+                stack.append((value_node, sub))
+                line = key_node.start_mark.line + 1
+                ident = (key_node.tag, key_node.value)
+                if ident in first:
+                    raise ConfigError(
+                        f"duplicate key '{sub}' at {shown}:{line} (first set at line {first[ident]});"
+                        " keep only one of them",
+                        key=sub,
+                        source=f"{shown}:{line}",
+                    )
+                first[ident] = line
+        elif isinstance(n, yaml.SequenceNode):
+            stack.extend((item, _item(path, i)) for i, item in enumerate(n.value))
+
+
+def _read_yaml_file(path: Path) -> tuple[Any, dict[str, str]]:
+    """Parse one file (no `base:` handling): the data and the line map of every key."""
+    shown = _display_path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file '{shown}' not found; check the path", source=shown) from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file '{shown}' ({e.strerror}); check the path", source=shown) from None
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None:
+            _check_duplicate_keys(node, shown)
+        # construct_document also flattens `<<:` merge keys inside the node tree, so the walk below sees them.
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"{shown}:{mark.line + 1}" if mark is not None else shown
+        raise ConfigError(
+            f"YAML syntax error at {where}: {_yaml_problem(e)}; fix the syntax there (indentation, ':' after"
+            " keys, matching quotes and brackets)",
+            source=where,
+        ) from None
+
+    lines: dict[str, str] = {"": shown}
+    if node is None:
+        return {}, lines
+    if not isinstance(node, yaml.MappingNode):
+        where = f"{shown}:{node.start_mark.line + 1}"
+        raise ConfigError(
+            f"the top level of a config file must be a mapping (key: value), got a"
+            f" {'list' if isinstance(node, yaml.SequenceNode) else 'single value'} at {where};"
+            " write the config as keys and values",
+            source=where,
+        )
+
+    def walk(n: yaml.Node, path: str) -> None:
+        if isinstance(n, yaml.MappingNode):
+            for key_node, value_node in n.value:
+                # The same key the data dict uses (`1:` is the int 1), named like from_dict names it.
+                key = loader.construct_object(key_node) if isinstance(key_node, yaml.ScalarNode) else key_node.value
+                sub = _join(path, key)
+                # Later pairs win: after `<<:` merges are flattened, the mapping's own keys come last.
+                lines[sub] = f"{shown}:{key_node.start_mark.line + 1}"
+                walk(value_node, sub)
+        elif isinstance(n, yaml.SequenceNode):
+            for i, item in enumerate(n.value):
+                sub = _item(path, i)
+                lines[sub] = f"{shown}:{item.start_mark.line + 1}"
+                walk(item, sub)
+
+    walk(node, "")
+    return data, lines
+
+
+def _preset_files(preset_dirs: Iterable[str | os.PathLike]) -> dict[str, Path]:
+    """name -> file for every `<dir>/<name>.yaml` (first directory wins)."""
+    found: dict[str, Path] = {}
+    for d in preset_dirs:
+        d = Path(d)
+        if not d.is_dir():
+            continue
+        for p in sorted(d.iterdir()):
+            if p.suffix in YAML_SUFFIXES and p.is_file():
+                found.setdefault(p.stem, p)
+    return found
+
+
+def list_presets(preset_dirs: Iterable[str | os.PathLike]) -> list[str]:
+    """Names of the presets (`<dir>/<name>.yaml`) in the given directories, sorted."""
+    return sorted(_preset_files(preset_dirs))
+
+
+def _looks_like_path(name: str | os.PathLike) -> bool:
+    s = os.fspath(name)
+    return isinstance(name, os.PathLike) or s.endswith(YAML_SUFFIXES) or "/" in s or os.sep in s
+
+
+def _unknown_preset(name: str, preset_dirs: Sequence, context: str = "") -> ConfigError:
+    names = list_presets(preset_dirs)
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    if names:
+        avail = f"; available presets: {', '.join(names)}"
+    elif preset_dirs:
+        avail = "; no presets found in the preset directories"
+    else:
+        avail = "; no preset directories were given"
+    return ConfigError(
+        f"unknown preset '{name}'{context}{hint}{avail}; give a preset name or a path to a .yaml file",
+        source=context.removeprefix(" at ") or None,
+    )
+
+
+def _resolve_base(ref: Any, file: Path, preset_dirs: Sequence, where: str) -> Path:
+    """The file a `base:` value points to: a path relative to `file`, or a preset name."""
+    if not isinstance(ref, str) or not ref:
+        raise ConfigError(
+            f"'{BASE_KEY}' at {where} must be a preset name or a .yaml path, got {_describe_value(ref)}",
+            key=BASE_KEY,
+            source=where,
+        )
+    candidates = [file.parent / ref]
+    if not ref.endswith(YAML_SUFFIXES):
+        candidates += [file.parent / (ref + s) for s in YAML_SUFFIXES]
+    for c in candidates:
+        if c.is_file():
+            return c
+    if not _looks_like_path(ref):
+        preset = _preset_files(preset_dirs).get(ref)
+        if preset is not None:
+            return preset
+        raise _unknown_preset(ref, list(preset_dirs), f" at {where}")
+    raise ConfigError(
+        f"base file '{ref}' at {where} not found (paths are relative to the file that names them);"
+        " fix the path or use a preset name",
+        key=BASE_KEY,
+        source=where,
+    )
+
+
+def _merge(base: dict, over: dict, path: str, replaced: list[str]) -> dict:
+    """Deep-merge `over` into a copy of `base`: mappings merge, everything else (lists too) is replaced."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        sub = _join(path, key)
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value, sub, replaced)
+        else:
+            out[key] = copy.deepcopy(value)
+            replaced.append(sub)
+    return out
+
+
+def _load_with_bases(path: Path, preset_dirs: Sequence, chain: tuple[Path, ...]) -> tuple[dict, dict[str, str]]:
+    real = path.resolve()
+    if real in chain:
+        cycle = " -> ".join(_display_path(p) for p in (*chain, real))
+        raise ConfigError(f"'{BASE_KEY}' presets form a cycle: {cycle}; remove one of the '{BASE_KEY}:' keys")
+    data, lines = _read_yaml_file(path)
+    if BASE_KEY not in data:
+        return data, lines
+
+    ref = data.pop(BASE_KEY)
+    where = lines.pop(BASE_KEY)
+    base_data, base_lines = _load_with_bases(
+        _resolve_base(ref, path, preset_dirs, where), preset_dirs, (*chain, real)
+    )
+    replaced: list[str] = []
+    merged = _merge(base_data, data, "", replaced)
+    # Values a child replaced wholesale (lists, scalars) drop the base file's lines inside them.
+    merged_lines = {k: v for k, v in base_lines.items() if k and not any(_is_under(k, r) for r in replaced)}
+    merged_lines.update(lines)
+    return merged, merged_lines
+
+
+def load_yaml(
+    path: str | os.PathLike, *, preset_dirs: Iterable[str | os.PathLike] = ()
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Read a YAML config file, following its `base:` chain.
+
+    A file may say ``base: other.yaml`` (relative to the file) or ``base: tiny`` (a preset name: first
+    ``<file's dir>/tiny.yaml``, then ``<dir>/tiny.yaml`` for each of `preset_dirs`). The file is deep-merged over its
+    base: mappings merge key by key, lists and scalars are replaced. The `base` key itself is removed.
+
+    Args:
+        path: the YAML file.
+        preset_dirs: directories searched for bare preset names in `base:`.
+
+    Returns:
+        (data, line_map): the merged nested dict, and a map from every dotted key ("sampler.noise_level",
+        "reward.components[1].weight") to "file.yaml:LINE" of the file that set it. The entry "" names the file.
+
+    Raises:
+        ConfigError: missing file, YAML syntax error (with file:line), duplicate key, top level not a mapping,
+            unknown base preset, or a `base:` cycle.
+    """
+    return _load_with_bases(Path(path), list(preset_dirs), ())
