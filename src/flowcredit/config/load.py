@@ -13,9 +13,10 @@ machinery around it and knows nothing about the project's schema; this module is
   back (it loads again to an equal object); ``describe(cls)`` is the ``--help-config`` listing.
 
 Helpers: keys.py (dotted keys, source maps, ``ConfigError``), annotations.py (field types and their names in
-messages), ranges.py (declared numeric ranges). A library (dacite, pydantic) was weighed for build.py and not
-used: neither reports an unknown key with its section and a suggestion, checks metadata ranges before
-``__post_init__``, or names the section whose ``__post_init__`` failed, so wrapping one kept the same code plus it.
+messages), ranges.py (declared numeric ranges). Libraries weighed for build.py and not used (each
+would wrap, not replace, this code): dacite reports an unknown key without its section and keeps an int in a float
+field; pydantic reads the metadata ranges and locates errors, but its lax mode turns "3" into 3 and "yes" into true
+(rules below reject both), its strict mode refuses mappings for dataclass fields, and it would be a new dependency.
 
 Field metadata the loader reads besides ``help``:
 
