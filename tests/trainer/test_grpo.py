@@ -16,6 +16,7 @@ from flowcredit.models.tiny import TinyDiTConfig, TinyFlowModel
 from flowcredit.rewards.base import RewardOutput
 from flowcredit.samplers.policy import policy_velocity
 from flowcredit.samplers.sde import sampler_step
+from flowcredit.trainer import checkpoint
 from flowcredit.trainer.grpo import GRPOTrainer
 
 P, G, T = 2, 2, 3  # prompts per iteration, group size, rollout steps
@@ -263,8 +264,9 @@ def test_train_writes_run_folder(tmp_path, model_path):
     # the resolved config loads back to the same object
     assert load_config(TrainConfig, out / "config.yaml") == tr.cfg
     assert list((out / "tb").glob("events.out.tfevents*"))
-    assert sorted(p.name for p in (out / "checkpoints").glob("*.pt")) == ["iter000002.pt"]
-    ck = torch.load(out / "checkpoints" / "iter000002.pt", weights_only=False)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter000002"]
+    assert sorted(p.name for p in (out / "checkpoints" / "iter000002").iterdir()) == ["manifest.json", "state.json", "tensors.safetensors"]
+    ck = checkpoint.load(out / "checkpoints" / "iter000002")
     assert ck["iteration"] == 2 and ck["model"].keys() == tr.model.net.state_dict().keys()
     assert (out / "grids" / "iter00001.png").exists() and (out / "grids" / "iter00002.txt").exists()
     ev = json.loads((out / "eval.json").read_text())
@@ -318,14 +320,14 @@ def test_resume_continues_and_matches_straight_run(tmp_path, model_path):
     first = make_trainer(tmp_path, model_path, "run.iterations=2", *common, out="resume", reward=image_mean_reward)
     first.train()
     out = tmp_path / "resume"
-    assert sorted(p.name for p in (out / "checkpoints").glob("*.pt")) == ["iter000001.pt", "iter000002.pt"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter000001", "iter000002"]
 
     second = make_trainer(tmp_path, model_path, "run.iterations=3", *common, out="resume", reward=image_mean_reward)
     assert second.iteration == 2
     assert second.train()["iterations"] == 3
     assert [r["iteration"] for r in read_metrics(out)] == [1, 2, 3]
     # the two newest checkpoints are kept
-    assert sorted(p.name for p in (out / "checkpoints").glob("*.pt")) == ["iter000002.pt", "iter000003.pt"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter000002", "iter000003"]
 
     straight = make_trainer(tmp_path, model_path, "run.iterations=3", *common, out="straight", reward=image_mean_reward)
     straight.train()
@@ -338,7 +340,7 @@ def test_resume_continues_and_matches_straight_run(tmp_path, model_path):
 def test_checkpoint_every_zero_saves_only_at_the_end(tmp_path, model_path):
     tr = make_trainer(tmp_path, model_path, "run.iterations=2", "run.checkpoint_every=0", reward=image_mean_reward)
     tr.train()
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("*.pt")) == ["iter000002.pt"]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["iter000002"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

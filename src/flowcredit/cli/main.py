@@ -1,4 +1,4 @@
-"""`flowcredit` command line: train | eval | sample | prompts | render | pretrain | compare | export | serve-reward.
+"""`flowcredit` command line: train | eval | sample | prompts | render | pretrain | compare | export | convert | serve-reward.
 
     flowcredit train                                  # the embedded default: tiny model, shapes, Flow-GRPO, CPU
     flowcredit train tiny_stepwise run.iterations=50  # a preset + key=value overrides
@@ -7,6 +7,7 @@
     flowcredit train --help-config                    # every key, its type, default and help
     flowcredit train resume=runs/x [key=value ...]    # continue a run from its newest valid checkpoint
     flowcredit eval --checkpoint runs/x --cfg 4.5     # GenEval layout + results.jsonl + summary.json + grid.png
+    flowcredit convert --trust runs/x/checkpoints/iter000010.pt   # an old pickle checkpoint → safetensors + JSON
 
 Bad input prints one line `error: ...` naming the field, where it came from and the fix, and exits with 2.
 """
@@ -162,11 +163,31 @@ def cmd_pretrain(ns) -> int:
     if ns.depth:
         model["depth"] = ns.depth
     cfg = PretrainConfig(**kw, model=model)
+    from ..trainer.checkpoint import CheckpointError
+
     try:
         validate(cfg)
     except (FileNotFoundError, ValueError) as e:
         return _fail(str(e))
-    pretrain(cfg)
+    try:
+        pretrain(cfg)
+    except CheckpointError as e:  # resuming from a damaged or pickle checkpoint
+        return _fail(str(e))
+    return 0
+
+
+def cmd_convert(ns) -> int:
+    """An old pickle checkpoint → the safetensors + JSON format, only with --trust (see `checkpoint.convert_legacy`)."""
+    from ..trainer.checkpoint import CheckpointError, convert_legacy
+
+    if not ns.trust:
+        return _fail(f"convert reads the pickle '{ns.old}', and pickles can run code; only if you trust its origin, "
+                     f"rerun as: flowcredit convert --trust {ns.old}" + (f" {ns.new}" if ns.new else ""))
+    try:
+        out = convert_legacy(ns.old, ns.new)
+    except (CheckpointError, FileNotFoundError) as e:
+        return _fail(str(e))
+    print(f"converted {ns.old} to {out} (tensors.safetensors + state.json + manifest.json)")
     return 0
 
 
@@ -203,13 +224,17 @@ def cmd_export(ns) -> int:
     or, for the tiny model, a .safetensors + JSON pair loadable by `--checkpoint`."""
     try:
         p = Path(ns.checkpoint)
-        run = p if p.is_dir() else p.parent.parent
+        run = p if (p / "checkpoints").is_dir() else p.parent.parent  # a run folder, or runs/x/checkpoints/iterN
         cfg_path = run / "config.yaml"
         name = "tiny"
         if cfg_path.exists():
             import yaml
 
-            name = (yaml.safe_load(cfg_path.read_text()).get("model") or {}).get("name", "tiny")
+            try:
+                doc = yaml.safe_load(cfg_path.read_text())
+                name = ((doc.get("model") or {}) if isinstance(doc, dict) else {}).get("name", "tiny")
+            except (yaml.YAMLError, AttributeError) as e:
+                raise ValueError(f"'{cfg_path}' is not a readable run config ({type(e).__name__}); fix or remove it") from None
         if name == "tiny":
             model = load_any_model(ns.checkpoint, "fp32")
             out = model.save(ns.out, name=ns.name)
@@ -234,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=cmd_train)
 
     def model_args(p):
-        p.add_argument("--checkpoint", default=None, help="tiny model .safetensors, trainer checkpoint .pt or run folder (default: shipped model)")
+        p.add_argument("--checkpoint", default=None, help="tiny model .safetensors, trainer checkpoint folder (checkpoints/iterNNNNNN) or run folder (default: shipped model)")
         p.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale")
         p.add_argument("--steps", type=int, default=40, help="ODE steps")
         p.add_argument("--seed", type=int, default=0)
@@ -272,12 +297,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=cmd_render)
 
     x = sub.add_parser("export", help="export a trained checkpoint (diffusers LoRA / save_pretrained, or tiny .safetensors)")
-    x.add_argument("checkpoint", help="run folder or checkpoints/iterNNNNNN.pt")
+    x.add_argument("checkpoint", help="run folder or checkpoints/iterNNNNNN folder")
     x.add_argument("out", help="output folder")
     x.add_argument("--name", default="tiny_rl", help="file stem for tiny-model exports")
     x.add_argument("--no-ema", action="store_true", help="export the raw weights even if the run kept an EMA")
     x.add_argument("--model-path", default=None, help="base model folder if it moved since training (real models)")
     x.set_defaults(fn=cmd_export)
+
+    cv = sub.add_parser("convert", help="rewrite a trusted old pickle checkpoint (.pt) as safetensors + JSON: convert --trust OLD.pt [NEW]")
+    cv.add_argument("old", help="an old checkpoints/iterNNNNNN.pt or pretraining state.pt")
+    cv.add_argument("new", nargs="?", default=None,
+                    help="the checkpoint folder to write (default: iterNNNNNN.pt → iterNNNNNN beside it, state.pt → checkpoints/stepNNNNNN)")
+    cv.add_argument("--trust", action="store_true",
+                    help="you trust the file's origin (required: it is a pickle; read with torch's restricted unpickler)")
+    cv.set_defaults(fn=cmd_convert)
 
     c = sub.add_parser("compare", help="run presets × seeds (or a study YAML) with a shared budget and write a report")
     c.add_argument("study", nargs="+", help="a study YAML / name (flowcredit/studies) or several presets")

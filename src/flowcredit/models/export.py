@@ -2,7 +2,7 @@
 
     from flowcredit.models.export import export, export_checkpoint
     export(model, "out/lora")                         # a live SD3FlowModel / FluxFlowModel
-    export_checkpoint("runs/my-run", "out/lora")      # a trainer checkpoint (.pt) or run folder; EMA weights if kept
+    export_checkpoint("runs/my-run", "out/lora")      # a checkpoint folder or run folder; EMA weights if kept
 
 LoRA (model.trainable=lora): `out_dir/pytorch_lora_weights.safetensors`, written by
 `StableDiffusion3Pipeline.save_lora_weights` / `FluxPipeline.save_lora_weights` from
@@ -107,24 +107,13 @@ def export(model, out_dir: str | Path, *, transformer_only: bool = False, extra:
     return out
 
 
-def _resolve_checkpoint(path: str | Path) -> Path:
-    p = Path(path)
-    if p.is_dir() and (p / "checkpoints").is_dir():
-        cks = sorted((p / "checkpoints").glob("iter*.pt"))
-        if not cks:
-            raise FileNotFoundError(f"run folder '{p}' has no checkpoints/iter*.pt yet")
-        return cks[-1]
-    if not p.is_file():
-        raise FileNotFoundError(f"checkpoint '{p}' not found; give a trainer checkpoint .pt or a run folder")
-    return p
-
-
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, use_ema: bool = True,
                       model_path: str | None = None, device: str = "cpu", transformer_only: bool = False) -> Path:
     """Rebuild the model of a trainer checkpoint, load its weights (EMA if kept and `use_ema`) and `export` it.
 
     Args:
-        checkpoint: a trainer checkpoint `checkpoints/iterNNNNNN.pt` or a run folder (its newest checkpoint).
+        checkpoint: a trainer checkpoint folder `checkpoints/iterNNNNNN` or a run folder (its newest intact checkpoint).
+            Old pickle `.pt` checkpoints are refused (convert a trusted one: `flowcredit convert --trust OLD.pt`).
         out_dir: output folder.
         use_ema: export the EMA weights when the run kept them (what the run's evaluation used).
         model_path: base model folder, if it moved since training (default: the checkpoint's model.path).
@@ -132,10 +121,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, use_ema: b
         transformer_only: see `export`.
     """
     from ..config.schema import ModelCfg
+    from ..trainer import checkpoint as ckpt
     from .factory import build_model
 
-    ck = _resolve_checkpoint(checkpoint)
-    st = torch.load(ck, map_location="cpu", weights_only=False)
+    ck = ckpt.resolve(checkpoint)
+    st = ckpt.load(ck)  # safetensors + JSON, verified; never unpickles
     mc = dict(st["model_config"])
     if mc.get("name") not in ("sd3", "flux"):
         raise ValueError(f"checkpoint '{ck}' is of model.name={mc.get('name')!r}; export handles sd3 and flux")

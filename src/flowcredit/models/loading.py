@@ -14,44 +14,53 @@ from .tiny import TinyDiTConfig, TinyFlowModel
 
 
 def load_any_model(path: str | None, precision: str = "fp32") -> TinyFlowModel:
-    """A tiny model from: None (shipped), a .safetensors file, a trainer checkpoint .pt, or a run folder.
+    """A tiny model from: None (shipped), a .safetensors file, a trainer checkpoint folder, or a run folder.
 
-    A run folder means its newest `checkpoints/iter*.pt`. A checkpoint's EMA weights are used when the run kept them,
-    and a LoRA run's adapter is folded into plain weights.
+    A run folder means its newest intact `checkpoints/iterNNNNNN/` (a damaged newer one is skipped with a warning). A
+    checkpoint's EMA weights are used when the run kept them, and a LoRA run's adapter is folded into plain weights.
+    Nothing is unpickled: old `.pt` checkpoints are refused with the `flowcredit convert --trust` command.
 
     Args:
-        path: None, a `.safetensors` file (with its JSON), a `.pt` trainer checkpoint, or a run folder.
+        path: None, a `.safetensors` file (with its JSON), a checkpoint folder, or a run folder.
         precision: "auto" | "fp32" | "bf16": the model's autocast dtype (`models/precision.py`).
 
     Raises:
         FileNotFoundError: the checkpoint, or any checkpoint in the run folder, does not exist.
+        ValueError: (one line naming the file) a pickle .pt, a damaged checkpoint, or a file that is not what it claims.
     """
+    from ..trainer import checkpoint
+
     if path is None:
         model = TinyFlowModel.load(None)
     else:
         p = Path(path)
-        if p.is_dir() and (p / "checkpoints").is_dir():
-            cks = sorted((p / "checkpoints").glob("iter*.pt"))
-            if not cks:
-                raise FileNotFoundError(f"run folder '{p}' has no checkpoints/iter*.pt yet")
-            p = cks[-1]
-        if p.suffix == ".pt":
-            if not p.exists():
-                raise FileNotFoundError(f"checkpoint '{p}' not found")
-            st = torch.load(p, weights_only=False, map_location="cpu")
-            model = TinyFlowModel(TinyDiTConfig(**st["model_config"]))
-            if st.get("lora"):  # a LoRA run: rebuild its adapter to load the state, then evaluate the merged weights
-                model.add_lora(**st["lora"])
-            state = dict(st["model"])
-            if st.get("ema"):
-                state.update(st["ema"])  # evaluate the EMA weights when the run kept them
-            model.net.load_state_dict(state)
+        if p.suffix == ".pt" or (p.is_dir() and ((p / "checkpoints").is_dir() or checkpoint.is_checkpoint_dir(p))):
+            ck = checkpoint.resolve(p)
+            st = checkpoint.load(ck)
+            try:
+                model = TinyFlowModel(TinyDiTConfig(**st["model_config"]))
+                if st.get("lora"):  # a LoRA run: rebuild its adapter to load the state, then evaluate the merged weights
+                    model.add_lora(**st["lora"])
+                state = dict(st["model"])
+                if st.get("ema"):
+                    state.update(st["ema"])  # evaluate the EMA weights when the run kept them
+                model.net.load_state_dict(state)
+            except (KeyError, TypeError, RuntimeError) as e:
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise ValueError(f"checkpoint '{ck}' is not a tiny-model checkpoint ({first}); real models: flowcredit export") from None
             if model.has_lora:
                 merged = TinyFlowModel(model.cfg)
                 merged.net.load_state_dict(model.merged_state_dict())
                 model = merged
             model.eval()
         else:
-            model = TinyFlowModel.load(p)
+            try:
+                model = TinyFlowModel.load(p)
+            except FileNotFoundError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a file that is not what it claims: one line naming it
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise ValueError(f"'{p}' is not a tiny-model .safetensors + .json pair ({type(e).__name__}: {first}); pass "
+                                 f"weights written by `flowcredit pretrain`/`export`, a checkpoint folder or a run folder") from None
     model.compute_dtype = torch.bfloat16 if resolve_precision(precision) == "bf16" else torch.float32
     return model

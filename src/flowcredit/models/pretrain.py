@@ -4,8 +4,10 @@ Objective (rectified flow, ALGORITHMS.md §1.1): x_t = (1 − t)·x0 + t·x1, ta
 t ~ logit-normal(0, 1) followed by the SD3 shift (CALIBRATION.md: shift 3), prompt dropout → "" for CFG.
 Data: an endless stream of fresh layouts of the train-split prompts (tags sampled uniformly, so the 4
 single-object prompts are not drowned by the 640 color_attr ones), rendered on the fly (≈ 0.3 ms/image).
-The run is seeded and resumable: `state.pt` holds weights, EMA, optimizer, step and every RNG; it is written
-atomically (temp file + rename) every `checkpoint_every` steps and when `max_minutes` runs out. The EMA weights are
+The run is seeded and resumable: `checkpoints/stepNNNNNN/` (safetensors + JSON + sha256 manifest,
+`trainer/checkpoint.py`; the two newest are kept) holds weights, EMA, optimizer, step and every RNG; it is written
+atomically (temp folder + rename) every `checkpoint_every` steps and when `max_minutes` runs out. A folder holding an
+old pickle `state.pt` is refused (convert a trusted one: `flowcredit convert --trust state.pt`). The EMA weights are
 what we evaluate and ship.
 
 Devices: `device=auto` trains on CUDA when present, else on the CPU (same code; `precision=auto` picks bf16 autocast
@@ -21,7 +23,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ import torch
 from ..shapes.prompts import load_prompts
 from ..shapes.render import render_batch
 from ..shapes.vocab import TAGS
+from ..trainer import checkpoint
 from .precision import PRECISIONS, resolve_precision
 from .tiny import TinyDiTConfig, TinyFlowModel
 
@@ -44,7 +46,7 @@ def _h(default, text: str):
 class PretrainConfig:
     """Pretraining settings (every field but `model` is a CLI flag of `flowcredit pretrain`, with its help text)."""
 
-    out_dir: str = _h("pretrain_runs/tiny", "run folder (state.pt, log.jsonl, ema/step*.safetensors); an existing one is resumed")
+    out_dir: str = _h("pretrain_runs/tiny", "run folder (checkpoints/step*/, log.jsonl, ema/step*.safetensors); an existing one is resumed")
     steps: int = _h(20000, "total optimizer steps of the run (the learning-rate schedule ends here)")
     batch_size: int = _h(64, "images per step")
     lr: float = _h(6e-4, "peak AdamW learning rate")
@@ -59,7 +61,7 @@ class PretrainConfig:
     seed: int = _h(0, "seed of the initial weights, the layouts, the noise and t")
     precision: str = _h("auto", "autocast dtype of the forward/backward (weights and optimizer stay fp32): auto | fp32 | bf16; auto = bf16 on CUDA with bf16 and on CPUs with AVX-512 BF16/AMX, else fp32 (bf16 is emulated there, 4.4× slower; models/precision.py)")
     threads: int = _h(2, "torch CPU threads")
-    checkpoint_every: int = _h(500, "write state.pt and an EMA snapshot every N steps")
+    checkpoint_every: int = _h(500, "write a checkpoint (checkpoints/stepNNNNNN/) and an EMA snapshot every N steps")
     log_every: int = _h(50, "append the mean loss to log.jsonl every N steps")
     prompts: str = _h("shapes:train", "training prompts: shapes:train or a GenEval-style metadata .jsonl")
     init: str = _h("", "start from these tiny-model weights ('shipped' = the packaged model); '' = random init")
@@ -73,12 +75,6 @@ def sample_t(n: int, shift: float, gen: torch.Generator) -> torch.Tensor:
     """t = shift(σ(u)), u ~ N(0, 1): SD3's logit-normal training density with the resolution shift."""
     s = torch.sigmoid(torch.randn(n, generator=gen))
     return shift * s / (1 + (shift - 1) * s)
-
-
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -174,9 +170,11 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
     gen = torch.Generator().manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     step = 0
-    state_path = out / "state.pt"
-    if state_path.exists():
-        st = torch.load(state_path, weights_only=False, map_location="cpu")  # the RNG states must stay on the CPU
+    state_path = checkpoint.find_latest(out / "checkpoints", prefix="step")  # damaged ones: warned and skipped
+    if state_path is None and (out / "state.pt").exists():
+        raise checkpoint.CheckpointError(checkpoint.legacy_hint(out / "state.pt"))
+    if state_path is not None:
+        st = checkpoint.load(state_path)  # tensors on the CPU (the RNG states must stay there)
         model.net.load_state_dict(st["model"])
         ema.load_state_dict(st["ema"])
         opt.load_state_dict(st["opt"])
@@ -248,10 +246,10 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
                 bar.set_postfix(loss=f"{rec['loss']:.4f}")
             losses = []
         if step % cfg.checkpoint_every == 0 or step == cfg.steps or out_of_time:
-            _atomic_save(
+            checkpoint.save(
                 {"model": model.net.state_dict(), "ema": ema.state_dict(), "opt": opt.state_dict(), "step": step,
                  "torch_gen": gen.get_state(), "np_rng": rng.bit_generator.state},
-                state_path,
+                out / "checkpoints" / f"step{step:06d}", iteration=step, keep=2,
             )
             snap = TinyFlowModel(model_cfg)
             snap.net.load_state_dict(ema.state_dict())

@@ -1,16 +1,28 @@
-"""Checkpoints that survive kill -9 and torn disks: atomic writes, a manifest with a sha256, and fallback.
+"""Checkpoints that cannot run code and survive kill -9 and torn disks: safetensors + JSON, atomic, checksummed.
 
-A checkpoint ``checkpoints/iterNNNNNN.pt`` is valid iff its manifest ``iterNNNNNN.json`` exists and records the
-file's size and sha256. The write order makes every crash point safe:
+A checkpoint is a folder ``checkpoints/iterNNNNNN/`` with three files:
 
-    1. torch.save → ``iterNNNNNN.pt.tmp``, flush + fsync          (crash: a stray .tmp, ignored and removed later)
-    2. sha256 of the .tmp; rename → ``iterNNNNNN.pt``              (crash: a .pt without manifest → not trusted)
-    3. manifest → ``.json.tmp``, fsync, rename; fsync the folder  (now the checkpoint counts)
-    4. older checkpoints beyond ``keep`` are deleted              (only after the new one is complete)
+    tensors.safetensors   every tensor of the state (weights, optimizer moments, EMA, RNG byte states, credit state)
+    state.json            everything else: the nested structure with references to the tensors, ints/floats/strings,
+                          numpy RNG states, optimizer hyper-parameters (``flatten`` / ``unflatten`` below)
+    manifest.json         format, version, iteration and the size + sha256 of the two files above
 
-``find_latest`` walks from the newest checkpoint down and returns the first that verifies; a truncated or corrupt
-one (size or checksum differs from the manifest, unreadable manifest, no manifest) is skipped with a warning. A run
-folder written before manifests existed (no .json at all) is accepted unverified, with a warning.
+Neither format can execute code when read (safetensors is a JSON header + raw bytes; JSON is data), so a checkpoint
+from anywhere is safe to load. Old pickle checkpoints (``iterNNNNNN.pt``, ``state.pt``) are refused with a message;
+``flowcredit convert --trust OLD.pt`` rewrites a trusted one (``convert_legacy``: torch's restricted unpickler,
+``weights_only=True``, with only numpy's array reconstruction allowed, so even then no code in the file runs).
+
+The write order makes every crash point safe (the rename is the commit):
+
+    1. tensors + state → ``iterNNNNNN.tmp/``, each flushed + fsynced      (crash: a stray .tmp, ignored, removed later)
+    2. sha256 of both → ``iterNNNNNN.tmp/manifest.json``, fsync           (crash: same)
+    3. rename ``iterNNNNNN.tmp`` → ``iterNNNNNN``; fsync the folder       (now the checkpoint counts)
+    4. older checkpoints beyond ``keep`` are deleted                       (only after the new one is complete)
+
+``find_latest`` walks from the newest checkpoint down and returns the first that verifies; a damaged one (size or
+checksum differs from its manifest, missing or unreadable manifest, a pickle ``.pt``) is skipped with a warning that
+names it and the one used instead. If checkpoints exist but none is intact, it raises ``CheckpointError``: a run never
+restarts from scratch silently. An interrupted write (only a ``.tmp`` folder) never counted and is reported and ignored.
 
 Checkpoints do not depend on the layout. Under FSDP (``dist.fsdp``) the model, optimizer and EMA states are gathered
 to full tensors on rank 0 (``model_state``, ``optimizer_state``, ``full_tensors``), in the same layout as an unsharded
@@ -20,18 +32,33 @@ between FSDP and plain runs.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
+import math
 import os
+import re
+import shutil
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
-FORMAT_VERSION = 1
+FORMAT = "flowcredit-checkpoint"
+FORMAT_VERSION = 2
+TENSORS = "tensors.safetensors"
+STATE = "state.json"
+MANIFEST = "manifest.json"
+FILES = (TENSORS, STATE)
 _CHUNK = 1 << 22
+_TAGS = ("__tensor__", "__ndarray__", "__tuple__", "__items__", "__bytes__", "__float__")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used; the message is one line naming the file and what to do."""
 
 
 def sha256_file(path: Path) -> str:
@@ -46,7 +73,14 @@ def sha256_file(path: Path) -> str:
 
 
 def manifest_path(path: Path) -> Path:
-    return Path(path).with_suffix(".json")
+    """The manifest of checkpoint folder ``path``."""
+    return Path(path) / MANIFEST
+
+
+def legacy_hint(path: Path) -> str:
+    """The one-line refusal of a pickle checkpoint, with the command that converts a trusted one."""
+    return (f"'{path}' is a pickle checkpoint (the format before safetensors); pickles can run code when loaded, so "
+            f"flowcredit does not read them. If you trust its origin, convert it: flowcredit convert --trust {path}")
 
 
 def _fsync_dir(d: Path) -> None:
@@ -62,6 +96,11 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
@@ -71,86 +110,378 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+# ------------------------------------------------------------------------------------- nested state ⇄ (tensors, JSON)
+def flatten(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """Split a nested state into the tensors (for safetensors) and a JSON-able skeleton that references them.
+
+    Plain JSON values (str, int, bool, None, finite float, lists, dicts with str keys) stay as they are; the rest is
+    tagged with a one-key dict: ``{"__tensor__": name}`` (the tensor, moved to the CPU, is ``tensors[name]``; name =
+    its path in the tree, e.g. ``optimizer/state/0/exp_avg``), ``{"__ndarray__": [...], "dtype", "shape"}`` (numpy
+    RNG states), ``{"__tuple__": [...]}``, ``{"__items__": [[key, value], ...]}`` (dicts with non-str keys such as the
+    optimizer's parameter indices), ``{"__bytes__": base64}``, ``{"__float__": "nan" | "inf" | "-inf"}``. Anything
+    else raises TypeError naming its path: nothing is ever pickled.
+
+    Returns:
+        (tensors: name → contiguous CPU tensor of any shape/dtype, skeleton).
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+
+    def tensor_ref(t: torch.Tensor, path: str) -> dict[str, str]:
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and (ptr in storages or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
+            t = t.clone()  # safetensors refuses tensors that share memory; views get their own copy
+        if t.numel():
+            storages.add(t.untyped_storage().data_ptr())
+        name, k = path or "tensor", 1
+        while name in tensors:
+            k += 1
+            name = f"{path}#{k}"
+        tensors[name] = t
+        return {"__tensor__": name}
+
+    def enc(x: Any, path: str) -> Any:
+        if x is None or isinstance(x, (bool, str)):
+            return x
+        if isinstance(x, torch.Tensor):
+            return tensor_ref(x, path)
+        if isinstance(x, np.ndarray):
+            if x.dtype.kind not in "biuf":
+                raise TypeError(f"checkpoint state '{path}': numpy array of dtype {x.dtype} cannot be stored")
+            return {"__ndarray__": x.tolist(), "dtype": str(x.dtype), "shape": list(x.shape)}
+        if isinstance(x, np.generic):
+            x = x.item()
+        if isinstance(x, int):
+            return x
+        if isinstance(x, float):
+            return x if math.isfinite(x) else {"__float__": repr(x)}
+        if isinstance(x, (bytes, bytearray)):
+            return {"__bytes__": base64.b64encode(bytes(x)).decode("ascii")}
+        if isinstance(x, tuple):
+            return {"__tuple__": [enc(v, f"{path}/{i}") for i, v in enumerate(x)]}
+        if isinstance(x, list):
+            return [enc(v, f"{path}/{i}") for i, v in enumerate(x)]
+        if isinstance(x, dict):
+            if all(isinstance(k, str) and not k.startswith("__") for k in x):
+                return {k: enc(v, f"{path}/{k}" if path else k) for k, v in x.items()}
+            return {"__items__": [[enc(k, f"{path}/key"), enc(v, f"{path}/{k}")] for k, v in x.items()]}
+        raise TypeError(f"checkpoint state '{path}': a {type(x).__name__} cannot be stored (tensors, numbers, strings, "
+                        f"lists, tuples, dicts and numpy arrays only)")
+
+    return tensors, enc(state, "")
+
+
+def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor], source: str = "state.json") -> Any:
+    """Inverse of ``flatten``. Raises CheckpointError naming ``source`` for a reference or tag that is not valid."""
+
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"'{source}' is not a valid flowcredit checkpoint state: {why}")
+
+    def dec(x: Any) -> Any:
+        if isinstance(x, list):
+            return [dec(v) for v in x]
+        if not isinstance(x, dict):
+            return x
+        tag = next((t for t in _TAGS if t in x), None)
+        if tag is None:
+            return {k: dec(v) for k, v in x.items()}
+        v = x[tag]
+        try:
+            if tag == "__tensor__":
+                if v not in tensors:
+                    raise bad(f"tensor '{v}' is not in {TENSORS}")
+                return tensors[v]
+            if tag == "__ndarray__":
+                return np.asarray(v, dtype=np.dtype(x["dtype"])).reshape(x["shape"])
+            if tag == "__tuple__":
+                return tuple(dec(e) for e in v)
+            if tag == "__items__":
+                return {_hashable(dec(k)): dec(e) for k, e in v}
+            if tag == "__bytes__":
+                return base64.b64decode(v, validate=True)
+            if v not in ("nan", "inf", "-inf"):
+                raise bad(f"float tag {v!r}")
+            return float(v)
+        except CheckpointError:
+            raise
+        except (TypeError, ValueError, KeyError) as e:
+            raise bad(f"{tag} entry ({e})") from None
+
+    return dec(skeleton)
+
+
+def _hashable(k: Any) -> Any:
+    return tuple(_hashable(e) for e in k) if isinstance(k, (list, tuple)) else k
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            if meta.get("flowcredit") != FORMAT:
+                raise CheckpointError(f"'{path}' is a safetensors file but not a flowcredit checkpoint's tensors")
+            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
+    except SafetensorError as e:
+        raise CheckpointError(f"'{path}' is not a valid safetensors file ({e}); the checkpoint is damaged") from None
+    except OSError as e:
+        raise CheckpointError(f"'{path}' cannot be read ({e.strerror or e})") from None
+
+
+# ---------------------------------------------------------------------------------------------- write / verify / read
+def is_checkpoint_dir(path: Path) -> bool:
+    """True for a folder that looks like a checkpoint (has a manifest or a state file)."""
+    p = Path(path)
+    return p.is_dir() and ((p / MANIFEST).exists() or (p / STATE).exists() or (p / TENSORS).exists())
+
+
 def verify(path: Path) -> str | None:
-    """None when ``path`` matches its manifest; else a short description of the problem."""
+    """None when checkpoint folder ``path`` matches its manifest; else a short description of the problem."""
     path = Path(path)
-    man = manifest_path(path)
+    if path.is_file() or path.suffix == ".pt":
+        return "a pickle .pt (old format; not read: pickles can run code)" if path.exists() else "file missing"
     if not path.exists():
-        return "file missing"
+        return "folder missing"
+    man = path / MANIFEST
     if not man.exists():
-        return "no manifest (the write was interrupted)"
+        return f"no {MANIFEST} (not a complete checkpoint)"
     try:
         m = json.loads(man.read_text())
-        size, digest = int(m["bytes"]), str(m["sha256"])
-    except (ValueError, KeyError, TypeError, OSError) as e:
-        return f"unreadable manifest ({e})"
-    actual = path.stat().st_size
-    if actual != size:
-        return f"{actual} bytes on disk, manifest says {size} (truncated)"
-    if sha256_file(path) != digest:
-        return "sha256 differs from the manifest (corrupt)"
+        if m.get("format") != FORMAT:
+            return f"{MANIFEST} is not a flowcredit checkpoint manifest"
+        if int(m.get("version", 0)) > FORMAT_VERSION:
+            return f"written by a newer flowcredit (format version {m['version']}); upgrade flowcredit"
+        files = {name: (int(m["files"][name]["bytes"]), str(m["files"][name]["sha256"])) for name in FILES}
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
+        return f"unreadable manifest ({type(e).__name__}: {e})"
+    for name, (size, digest) in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} missing"
+        actual = f.stat().st_size
+        if actual != size:
+            return f"{name}: {actual} bytes on disk, manifest says {size} (truncated)"
+        if sha256_file(f) != digest:
+            return f"{name}: sha256 differs from the manifest (corrupt)"
     return None
+
+
+_NAME = re.compile(r"^([A-Za-z_]+)(\d+)$")
+
+
+def _prefix(path: Path) -> str | None:
+    """``iter`` of ``iter000012``; None for a name without the prefix + number pattern (never pruned)."""
+    m = _NAME.match(Path(path).name)
+    return m.group(1) if m else None
 
 
 def save(state: dict[str, Any], path: Path, *, iteration: int, keep: int = 2, fault: Callable[[str], None] | None = None) -> Path:
-    """Write ``state`` to ``path`` with the protocol above; skip if a valid checkpoint is already there."""
+    """Write ``state`` as checkpoint folder ``path`` (e.g. ``checkpoints/iter000012``) with the protocol above; skip
+    if an intact checkpoint is already there; then keep the ``keep`` newest of its prefix (0: delete nothing)."""
     path = Path(path)
+    prefix = _prefix(path)
     d = path.parent
     d.mkdir(parents=True, exist_ok=True)
-    if path.exists() and verify(path) is None:
+    if path.is_dir() and verify(path) is None:
         return path
+    tensors, skeleton = flatten(state)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
+    if tmp.exists():
+        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+    tmp.mkdir()
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(tmp / TENSORS), metadata={"format": "pt", "flowcredit": FORMAT})
+    _fsync_file(tmp / TENSORS)
+    doc = {"format": FORMAT, "version": FORMAT_VERSION, "iteration": int(iteration), "state": skeleton}
+    with open(tmp / STATE, "w") as f:
+        json.dump(doc, f, allow_nan=False)
         f.flush()
         os.fsync(f.fileno())
     if fault is not None:
-        fault("checkpoint")  # test hook: data written, not yet visible
-    digest, size = sha256_file(tmp), tmp.stat().st_size
-    man = manifest_path(path)
-    if man.exists():
-        man.unlink()  # a stale manifest of a corrupt file being replaced must not vouch for the new one mid-write
-    os.replace(tmp, path)
-    if fault is not None:
-        fault("checkpoint_manifest")  # test hook: visible, manifest missing
-    manifest = {"format": FORMAT_VERSION, "file": path.name, "iteration": int(iteration), "bytes": size, "sha256": digest,
+        fault("checkpoint")  # test hook: data written, no manifest yet
+    manifest = {"format": FORMAT, "version": FORMAT_VERSION, "iteration": int(iteration),
+                "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)} for name in FILES},
                 "written_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    _write_atomic(man, (json.dumps(manifest, indent=1) + "\n").encode())
+    _write_atomic(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    _fsync_dir(tmp)
+    if fault is not None:
+        fault("checkpoint_manifest")  # test hook: complete, not yet renamed into place
+    if path.exists():  # a damaged checkpoint of the same iteration (it did not verify): replaced whole
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    os.replace(tmp, path)
     _fsync_dir(d)
-    prune(d, keep)
+    if prefix is not None:
+        prune(d, keep, prefix)
     return path
 
 
-def prune(d: Path, keep: int) -> None:
-    """Delete all but the ``keep`` newest checkpoints (and their manifests) and stray temp files."""
-    for t in d.glob("*.tmp"):
-        t.unlink(missing_ok=True)
-    for old in sorted(d.glob("iter*.pt"))[:-keep] if keep > 0 else []:
-        manifest_path(old).unlink(missing_ok=True)
-        old.unlink(missing_ok=True)
+def _checkpoints(d: Path, prefix: str) -> list[Path]:
+    """Checkpoint folders and old pickle files of ``prefix`` in ``d``, newest first (a folder before a .pt of the same
+    number, so a converted checkpoint wins over its original)."""
+    found = []
+    for p in Path(d).iterdir() if Path(d).is_dir() else []:
+        m = _NAME.match(p.name) if p.is_dir() else _NAME.match(p.name[:-3]) if p.name.endswith(".pt") else None
+        if m and m.group(1) == prefix:
+            found.append((int(m.group(2)), p.is_dir(), p))
+    return [p for *_, p in sorted(found, key=lambda e: (e[0], e[1]), reverse=True)]
 
 
-def find_latest(d: Path, *, warn: bool = True) -> Path | None:
-    """The newest checkpoint in ``d`` that verifies; corrupt/torn ones are skipped with a warning."""
+def prune(d: Path, keep: int, prefix: str = "iter") -> None:
+    """Delete all but the ``keep`` newest checkpoint folders of ``prefix`` and every stray temp file/folder. Old pickle
+    files are never deleted (they may be the only copy of a run)."""
+    for t in Path(d).glob("*.tmp"):
+        shutil.rmtree(t, ignore_errors=True) if t.is_dir() else t.unlink(missing_ok=True)
+    if keep <= 0:
+        return
+    folders = [p for p in _checkpoints(d, prefix) if p.is_dir()]
+    for old in folders[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def find_latest(d: Path, *, warn: bool = True, prefix: str = "iter") -> Path | None:
+    """The newest intact checkpoint in ``d``; None when there is none at all.
+
+    Damaged ones are skipped with a warning naming each and the one used. Raises CheckpointError (one line) when
+    checkpoints exist but none is intact.
+    """
     d = Path(d)
-    cks = sorted(d.glob("iter*.pt"), reverse=True)
-    legacy = bool(cks) and not any(d.glob("iter*.json"))
-    for i, path in enumerate(cks):
-        if legacy:
-            if warn:
-                warnings.warn(f"checkpoint {path} has no manifest (written by an older flowcredit); loading it unverified", stacklevel=2)
-            return path
+    if warn:
+        for t in sorted(d.glob(f"{prefix}*.tmp")):
+            warnings.warn(f"checkpoint write {t} was interrupted before it completed; ignored", stacklevel=2)
+    skipped: list[tuple[Path, str]] = []
+    for path in _checkpoints(d, prefix):
         problem = verify(path)
         if problem is None:
+            if warn:
+                for bad, why in skipped:
+                    warnings.warn(f"checkpoint {bad} is unusable: {why}; falling back to the newest intact one: {path}", stacklevel=2)
             return path
-        if warn:
-            nxt = cks[i + 1].name if i + 1 < len(cks) else "none (starting from scratch)"
-            warnings.warn(f"checkpoint {path} is unusable: {problem}; falling back to the previous one: {nxt}", stacklevel=2)
-    return None
+        skipped.append((path, problem))
+    if not skipped:
+        return None
+    hint = ""
+    if any(p.suffix == ".pt" for p, _ in skipped):
+        hint = "; convert a trusted .pt with: flowcredit convert --trust OLD.pt"
+    raise CheckpointError(f"no intact checkpoint in {d}: " + "; ".join(f"{p.name}: {why}" for p, why in skipped) + hint
+                          + "; restore one, or use a new run folder to start from scratch")
 
 
-def load(path: Path) -> dict[str, Any]:
-    return torch.load(path, weights_only=False, map_location="cpu")
+def resolve(path: str | Path) -> Path:
+    """A user-given checkpoint: a checkpoint folder (itself) or a run folder (its newest intact checkpoint).
+
+    Raises:
+        CheckpointError: a pickle ``.pt`` (with the convert command), or no intact checkpoint in the run folder.
+        FileNotFoundError: nothing there, or a run folder without checkpoints.
+    """
+    p = Path(path)
+    if p.suffix == ".pt" and p.is_file():
+        raise CheckpointError(legacy_hint(p))
+    if p.is_dir() and (p / "checkpoints").is_dir():
+        ck = find_latest(p / "checkpoints")
+        if ck is None:
+            raise FileNotFoundError(f"run folder '{p}' has no checkpoints yet (checkpoints/iterNNNNNN/)")
+        return ck
+    if is_checkpoint_dir(p):
+        return p
+    if not p.exists():
+        raise FileNotFoundError(f"checkpoint '{p}' not found; give a run folder or a checkpoints/iterNNNNNN folder")
+    raise CheckpointError(f"'{p}' is not a flowcredit checkpoint (no {MANIFEST}); give a run folder or a checkpoints/iterNNNNNN folder")
+
+
+def load(path: Path, *, verify_checksums: bool = True) -> dict[str, Any]:
+    """Read checkpoint folder ``path`` back into the nested state ``save`` wrote (tensors on the CPU).
+
+    Raises CheckpointError (one line naming the file) for a pickle .pt, a damaged checkpoint, bad JSON, a missing
+    tensor, or a file that is not what it claims.
+    """
+    path = Path(path)
+    if path.suffix == ".pt" and path.is_file():
+        raise CheckpointError(legacy_hint(path))
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint '{path}' not found")
+    if not path.is_dir():
+        raise CheckpointError(f"'{path}' is not a flowcredit checkpoint folder (tensors.safetensors + state.json + manifest.json)")
+    if verify_checksums:
+        problem = verify(path)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint '{path}' is unusable: {problem}")
+    try:
+        doc = json.loads((path / STATE).read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"'{path / STATE}' is not valid JSON ({e}); the checkpoint is damaged") from None
+    except OSError as e:
+        raise CheckpointError(f"'{path / STATE}' cannot be read ({e.strerror or e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or "state" not in doc:
+        raise CheckpointError(f"'{path / STATE}' is not a flowcredit checkpoint state (no format '{FORMAT}')")
+    if int(doc.get("version", 0)) > FORMAT_VERSION:
+        raise CheckpointError(f"'{path}' was written by a newer flowcredit (format version {doc['version']}); upgrade flowcredit")
+    state = unflatten(doc["state"], _read_tensors(path / TENSORS), source=str(path / STATE))
+    if not isinstance(state, dict):
+        raise CheckpointError(f"'{path / STATE}' holds a {type(state).__name__}, not a checkpoint dict")
+    return state
+
+
+def _legacy_globals() -> list:
+    """The only globals the old pickle checkpoints need beyond torch's own: numpy arrays (the numpy RNG state)."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    return [_reconstruct, np.ndarray, np.dtype, *{type(np.dtype(c)) for c in "?bBhHiIlLqQefdg"}]
+
+
+def default_converted_path(old: Path) -> Path:
+    """Where ``flowcredit convert`` writes by default: ``iterNNNNNN.pt`` → ``iterNNNNNN`` beside it."""
+    old = Path(old)
+    return old.with_suffix("")
+
+
+def convert_legacy(old: str | Path, new: str | Path | None = None) -> Path:
+    """Rewrite an old pickle checkpoint (``torch.save`` of a dict) as a checkpoint folder. The only reader of pickles in
+    flowcredit; the CLI calls it only with ``--trust``. It still uses torch's restricted unpickler
+    (``weights_only=True``) with numpy's array reconstruction as the only extra global, so a file that needs anything
+    else (a payload) is refused, never run.
+
+    Args:
+        old: the ``.pt`` file (a trainer ``iterNNNNNN.pt`` or a pretraining ``state.pt``).
+        new: the checkpoint folder to write (default: ``iterNNNNNN.pt`` → ``iterNNNNNN``; ``state.pt`` →
+            ``checkpoints/stepNNNNNN`` beside it). Must not exist.
+
+    Returns:
+        The new checkpoint folder.
+    """
+    old = Path(old)
+    if not old.is_file():
+        raise FileNotFoundError(f"'{old}' not found")
+    try:
+        with torch.serialization.safe_globals(_legacy_globals()):
+            st = torch.load(old, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure of the restricted unpickler is one line
+        try:
+            allowed = {f"{g.__module__}.{g.__qualname__}" for g in _legacy_globals()}
+            extra = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(old) if g not in allowed]
+        except Exception:  # noqa: BLE001 - not even a torch zip file
+            extra = []
+        if extra:
+            raise CheckpointError(f"'{old}' needs {', '.join(extra)} to load, which a flowcredit checkpoint never needs "
+                                  f"(it may carry a payload); not converted") from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"'{old}' is not a readable torch checkpoint ({first}); not converted") from None
+    if not isinstance(st, dict):
+        raise CheckpointError(f"'{old}' holds a {type(st).__name__}, not a flowcredit checkpoint dict; not converted")
+    if new is None:
+        new = old.parent / "checkpoints" / f"step{int(st.get('step', 0)):06d}" if old.name == "state.pt" else default_converted_path(old)
+    new = Path(new)
+    if new.exists():
+        raise CheckpointError(f"'{new}' already exists; give a new folder as the second argument")
+    iteration = int(st.get("iteration", st.get("step", 0)))
+    try:
+        return save(st, new, iteration=iteration, keep=0)
+    except TypeError as e:
+        raise CheckpointError(f"'{old}': {e}; not converted") from None
 
 
 def truncate_jsonl(path: Path, iteration: int) -> int:

@@ -747,19 +747,28 @@ class GRPOTrainer:
         return dict(zip(self.trainable_names, full)) if full is not None else None
 
     def save_checkpoint(self) -> Path:
-        """Rank 0 writes every state atomically with a manifest and sha256 (`checkpoint.save`); keeps the two newest."""
+        """Rank 0 writes every state atomically as `checkpoints/iterNNNNNN/` (tensors.safetensors + state.json +
+        manifest.json with sha256, `checkpoint.save`); keeps the two newest."""
         state = self.checkpoint_state()  # every rank takes part (RNG gather)
-        path = self.out / "checkpoints" / f"iter{self.iteration:06d}.pt"
+        path = self.out / "checkpoints" / f"iter{self.iteration:06d}"
         if self.dist.is_main:
             checkpoint.save(state, path, iteration=self.iteration, keep=2, fault=lambda phase: inject_point(phase, self.iteration))
         return path
 
     def latest_checkpoint(self) -> Path | None:
-        """The newest checkpoint that verifies; a torn/corrupt one is skipped with a warning."""
-        return checkpoint.find_latest(self.out / "checkpoints", warn=self.dist.is_main)
+        """The newest checkpoint that verifies; a damaged one is skipped with a warning naming it and the one used.
+        None for a fresh run folder; TrainingError (one line) when checkpoints exist but none is intact."""
+        try:
+            return checkpoint.find_latest(self.out / "checkpoints", warn=self.dist.is_main)
+        except checkpoint.CheckpointError as e:
+            raise TrainingError(f"cannot resume {self.out}: {e}") from None
 
     def load_checkpoint(self, path: Path) -> None:
-        st = checkpoint.load(path)
+        """Restore every state from checkpoint folder `path` (verified; never unpickles)."""
+        try:
+            st = checkpoint.load(path)
+        except checkpoint.CheckpointError as e:
+            raise TrainingError(str(e)) from None
         checkpoint.load_model_state(self.model.net, st["model"])  # FSDP: each rank keeps its shard
         checkpoint.load_optimizer_state(self.model.net, self.opt, self.trainable_names, st["optimizer"])
         if st["ema"] is not None and self.dist.fsdp:  # the EMA is sharded like the weights
