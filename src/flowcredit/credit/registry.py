@@ -24,9 +24,29 @@ CREDIT: dict[str, str] = {
 }
 
 
+# estimators registered at run time (`register_credit`): a plugin or a test adds one without touching this file
+_REGISTERED: dict[str, Callable[[CreditInput, CreditCfg], CreditOutput]] = {}
+
+
+def register_credit(name: str, fn: Callable[[CreditInput, CreditCfg], CreditOutput], requires: tuple[str, ...] = ()) -> None:
+    """Register estimator `fn` under `name` (then `credit.name=NAME`, with `method=custom`).
+
+    Args:
+        name: the config name; must not shadow a built-in.
+        fn: (CreditInput, CreditCfg) -> CreditOutput with advantages (B, T).
+        requires: what the trainer must compute for it: "step_rewards" (ρ_j of x̂0 estimates, (B, T+1)) and/or
+            "instant_rewards" (I_j, (B, T)); stored as `fn.requires`.
+    """
+    if name in CREDIT:
+        raise ValueError(f"credit estimator {name!r} is built in; register under another name")
+    if requires:
+        fn.requires = tuple(requires)  # type: ignore[attr-defined]
+    _REGISTERED[name] = fn
+
+
 def names() -> list[str]:
     """The registered estimator names."""
-    return list(CREDIT)
+    return list(CREDIT) + list(_REGISTERED)
 
 
 def resolve(name: str) -> Callable[[CreditInput, CreditCfg], CreditOutput]:
@@ -36,6 +56,8 @@ def resolve(name: str) -> Callable[[CreditInput, CreditCfg], CreditOutput]:
         ValueError: unknown name (the message lists the valid names and suggests the closest), or a malformed path.
         ImportError / AttributeError: the module or function of a path does not exist.
     """
+    if name in _REGISTERED:
+        return _REGISTERED[name]
     if name in CREDIT:
         target = CREDIT[name]
     elif ":" in name:
