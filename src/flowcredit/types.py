@@ -13,7 +13,7 @@ A rollout walks the grid t_0 = 1 > t_1 > … > t_T = 0; step j maps x^(j) (time 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -105,7 +105,6 @@ class Trajectory:
     velocities: Tensor | None = None
     rewards: Tensor | None = None
     step_rewards: Tensor | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:

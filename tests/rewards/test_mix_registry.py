@@ -1,13 +1,12 @@
-"""Registry, async submit, output validation, the image-statistics reward and weighted / normalized mixing."""
+"""Registry, output validation, the image-statistics reward and weighted / normalized mixing."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
 
-from flowcredit.rewards.base import RewardError, RewardOutput, check_output, submit
+from flowcredit.rewards.base import RewardError, RewardOutput, check_output
 from flowcredit.rewards.imagestats import image_stats
 from flowcredit.rewards.mix import MixedReward, parse_mix
 from flowcredit.rewards.registry import REWARDS, build_reward, names, resolve
@@ -107,23 +106,8 @@ def test_build_mix_from_config_and_spec():
         build_reward("mix", components=[{"name": "imagestats", "wieght": 1}])
 
 
-def test_submit_is_async_and_validates():
-    class Slow:
-        name = "slow"
-
-        def __call__(self, images, prompts, metadata, **meta):
-            time.sleep(0.3)
-            return RewardOutput(images.mean(dim=(1, 2, 3)))
-
-    x = torch.rand(2, 3, 4, 4)
-    t0 = time.perf_counter()
-    fut = submit(Slow(), x, ["a", "b"], [{}, {}])
-    assert time.perf_counter() - t0 < 0.2  # returned before the reward finished
-    x.zero_()  # the caller may reuse its buffer: the reward got a copy
-    assert fut.result(timeout=5).scores.min() > 0
-    fut2 = build_reward("imagestats").submit(torch.rand(2, 3, 4, 4), ["a", "b"])
-    assert fut2.result(timeout=5).scores.shape == (2,)
+def test_check_output_validates():
     with pytest.raises(RewardError, match="non-finite"):
         check_output("bad", RewardOutput(torch.tensor([1.0, float("nan")])), 2)
     with pytest.raises(RewardError, match="3 scores for a batch of 2"):
-        submit(Const("c", [1.0, 2.0, 3.0]), torch.zeros(2, 3, 2, 2), ["a", "b"], [{}, {}]).result(timeout=5)
+        check_output("c", Const("c", [1.0, 2.0, 3.0])(torch.zeros(2, 3, 2, 2), ["a", "b"], [{}, {}]), 2)

@@ -62,7 +62,6 @@ def test_trajectory_shapes_and_records(toy_model):
     assert traj.log_probs.shape == (5, 4) and traj.step_mask.shape == (4,) and traj.step_mask.dtype == torch.bool
     assert traj.velocities.shape == (5, 4, 3, 4, 4)
     assert traj.timesteps.shape == (5,) and traj.group_ids.dtype == torch.int64
-    assert traj.extras["step_std"].shape == (5, 4)
     assert torch.isfinite(traj.latents).all() and torch.isfinite(traj.log_probs).all()
     assert not traj.latents.requires_grad
     assert _rollout(toy_model, 2, "cps", 1.0, keep_velocities=False).velocities is None

@@ -14,14 +14,12 @@ from flowcredit.credit.registry import (
     needs_step_rewards,
     resolve,
 )
-from flowcredit.credit.stepwise import EMABaseline
 
 __all__ = [
     "CREDIT",
     "CreditCfg",
     "CreditInput",
     "CreditOutput",
-    "EMABaseline",
     "assign_credit",
     "names",
     "needs_instant_rewards",

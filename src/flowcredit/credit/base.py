@@ -188,17 +188,6 @@ def safe_zscore(x: Tensor, center: Tensor, scale: Tensor, constant: Tensor, eps:
     return torch.where(constant, torch.zeros_like(z), z)
 
 
-def zero_std_group_ratio(values: Tensor, group_ids: Tensor) -> float:
-    """Fraction of groups whose values are all equal (std exactly 0); Flow-GRPO's ``calculate_zero_std_ratio``.
-
-    Args:
-        values: (B,) values, e.g. terminal rewards.
-        group_ids: (B,) int64.
-    """
-    inverse, num_groups = group_index(group_ids)
-    return float(group_moments(values, inverse, num_groups).constant.float().mean())
-
-
 def discounted_reverse_cumsum(x: Tensor, discount: float) -> Tensor:
     """y_j = Σ_{m ≥ j} discount^{m−j} · x_m along the last axis (toward later denoising steps).
 

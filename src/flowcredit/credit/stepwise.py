@@ -15,7 +15,6 @@ Notation: B batch, P groups, T steps, ρ (B, T+1) step rewards (see ``flowcredit
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -80,37 +79,6 @@ def ema_baseline_update(baseline: Tensor | None, step_means: Tensor, decay: floa
         return step_means.clone()
     baseline = baseline.to(device=step_means.device, dtype=step_means.dtype)
     return decay * baseline + (1.0 - decay) * step_means
-
-
-class EMABaseline:
-    """Holder of the Stepwise EMA baseline across training iterations, with a checkpointable state.
-
-    The math is the pure ``ema_baseline_update``; this object only carries the (T,) tensor between iterations:
-
-        ema = EMABaseline()
-        out = assign_credit(cfg, CreditInput(..., state=ema.credit_state()))
-        ema.update_from(out.state)
-        ckpt["credit_ema"] = ema.state_dict()
-    """
-
-    def __init__(self, value: Tensor | None = None) -> None:
-        self.value = value
-
-    def credit_state(self) -> dict[str, Tensor]:
-        """The ``CreditInput.state`` entry for the next call (empty before the first update)."""
-        return {} if self.value is None else {EMA_STATE_KEY: self.value}
-
-    def update_from(self, state: dict[str, Tensor]) -> None:
-        """Take the new baseline from a ``CreditOutput.state`` (no-op when the estimator did not use it)."""
-        if EMA_STATE_KEY in state:
-            self.value = state[EMA_STATE_KEY].detach().clone()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"value": None if self.value is None else self.value.detach().cpu().clone()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        value = state_dict["value"]
-        self.value = None if value is None else value.detach().clone()
 
 
 def normalize_gains(

@@ -2,19 +2,10 @@
 
 Images are float tensors (B, 3, H, W) in [0, 1] (what `FlowModel.decode` returns). Rewards accept `**meta` so new
 metadata never breaks an old reward (TRL's convention, STYLE.md R2).
-
-Asynchronous scoring: `submit(reward, images, prompts, metadata)` (or `reward.submit(...)` on a `Reward` subclass)
-returns a `concurrent.futures.Future[RewardOutput]` computed on a worker thread, so the trainer can start the next
-rollout while the reward model (or a remote server) scores the last one. The inputs are copied to CPU before the
-call returns, so the caller may reuse its buffers. Torch ops release the GIL, and HTTP rewards wait on sockets, so
-the overlap is real even on CPU.
 """
 
 from __future__ import annotations
 
-import atexit
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
@@ -93,54 +84,8 @@ def check_output(name: str, out: RewardOutput, batch: int) -> RewardOutput:
     return RewardOutput(s, comps, out.info)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# asynchronous scoring
-# ----------------------------------------------------------------------------------------------------------------
-
-_EXECUTORS: dict[int, ThreadPoolExecutor] = {}
-_EXEC_LOCK = threading.Lock()
-
-
-def _executor(workers: int) -> ThreadPoolExecutor:
-    with _EXEC_LOCK:
-        ex = _EXECUTORS.get(workers)
-        if ex is None:
-            ex = _EXECUTORS[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"reward{workers}")
-        return ex
-
-
-@atexit.register
-def _shutdown_executors() -> None:
-    for ex in list(_EXECUTORS.values()):
-        ex.shutdown(wait=False, cancel_futures=True)
-
-
-def submit(
-    reward: RewardFn,
-    images: Tensor,
-    prompts: Sequence[str],
-    metadata: Sequence[dict[str, Any]],
-    executor: ThreadPoolExecutor | None = None,
-    **meta: Any,
-) -> "Future[RewardOutput]":
-    """Score a batch on a worker thread; returns a Future of the (validated) RewardOutput.
-
-    Works for any reward callable. `images` are detached and copied to CPU first. Calls on the default executor
-    run one at a time (a single worker), in submission order, so a reward never sees two batches at once unless
-    you pass your own `executor`. Exceptions surface at `future.result()`.
-    """
-    imgs = images.detach().to("cpu", copy=True)
-    p, m = list(prompts), [dict(x) for x in metadata]
-    name = getattr(reward, "name", type(reward).__name__)
-
-    def run() -> RewardOutput:
-        return check_output(name, reward(imgs, p, m, **meta), imgs.shape[0])
-
-    return (executor or _executor(1)).submit(run)
-
-
 class Reward:
-    """Optional base class for rewards: `submit` (async), `score_batched` (chunked), `close`.
+    """Optional base class for rewards: `name`, `__call__` and `close`.
 
     Subclasses set `name` and implement `__call__(images, prompts, metadata, **meta) -> RewardOutput`.
     """
@@ -149,11 +94,6 @@ class Reward:
 
     def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any) -> RewardOutput:
         raise NotImplementedError
-
-    def submit(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None, **meta: Any) -> "Future[RewardOutput]":
-        """Asynchronous `__call__` (see the module docstring)."""
-        metadata = metadata if metadata is not None else [{} for _ in prompts]
-        return submit(self, images, prompts, metadata, **meta)
 
     def close(self) -> None:
         """Release resources (models, sessions). Default: nothing."""

@@ -106,7 +106,7 @@ def rollout(
 
     Returns:
         Trajectory with latents (B, T+1, *latent), log_probs (B, T), step_mask (T,), velocities (B, T, *latent) or
-        None; ``extras`` holds "step_std" (B, T), "kl_std" (B, T), "sampler" and "guidance_scale".
+        None.
     """
     batch = len(prompts)
     if len(metadata) != batch:
@@ -165,12 +165,6 @@ def rollout(
         prompts=list(prompts),
         metadata=list(metadata),
         velocities=torch.stack(velocities, dim=1) if keep_velocities else None,
-        extras={
-            "step_std": step_std,
-            "kl_std": torch.stack(kl_stds, dim=1),
-            "sampler": sampler,
-            "guidance_scale": float(guidance_scale),
-        },
     )
 
 

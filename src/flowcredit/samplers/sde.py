@@ -343,26 +343,20 @@ def cps_step(x_t, v, t, t_next, *, params, noise=None, generator=None, x_next=No
     return _sample_or_score(mean, std, std, params, noise, generator, x_next)
 
 
-def ddim_sigma(t: Tensor, t_next: Tensor, eta: float, kind: str = "eta_s_sqrt") -> Tensor:
-    """Stepwise DDIM-SDE noise σ_t (ALGORITHMS.md §2.3, A1, A3), with s = t − Δt = t_next.
+def _ddim_sigma_factor(t: Tensor, t_next: Tensor, kind: str) -> Tensor:
+    """g in the Stepwise DDIM-SDE noise σ = η·s·g, s = t_next (ALGORITHMS.md §2.3, A1, A3).
 
-    "eta_s_sqrt": σ = η·s·sqrt(1 − t), where at t == 1 the sqrt(1 − t) factor is evaluated at t_next so step 0
-    still explores (decisions table, "steps whose σ is 0"). "eta_s": σ = η·s (the Flow-CPS form).
+    kind "eta_s_sqrt": g = sqrt(1 − t), evaluated at t_next when t == 1 so step 0 still explores (decisions table,
+    "steps whose σ is 0"); "eta_s": g = 1 (the Flow-CPS form).
 
     Args:
         t: (B,) current time.
         t_next: (B,) next time s.
-        eta: η ≥ 0.
-        kind: "eta_s_sqrt" or "eta_s".
+        kind: the sampler option ``ddim_sigma``.
 
     Returns:
-        (B,) σ_t.
+        (B,) g.
     """
-    return eta * t_next * _ddim_sigma_factor(t, t_next, kind)
-
-
-def _ddim_sigma_factor(t: Tensor, t_next: Tensor, kind: str) -> Tensor:
-    """g in σ = η·s·g: sqrt(1 − t) (guarded at t = 1) or 1."""
     if kind == "eta_s":
         return torch.ones_like(t)
     if kind == "eta_s_sqrt":
@@ -374,7 +368,7 @@ def _ddim_sigma_factor(t: Tensor, t_next: Tensor, kind: str) -> Tensor:
 def ddim_sde_step(x_t, v, t, t_next, *, params, noise=None, generator=None, x_next=None) -> StepOutput:
     """Stepwise "DDIM-inspired" SDE step (ALGORITHMS.md §2.3; Stepwise §5.5).
 
-        x_next = (1 − s)·x̂0 + c·x̂1 + σ·ε,   s = t_next,  σ = ddim_sigma(t, s, η)
+        x_next = (1 − s)·x̂0 + c·x̂1 + σ·ε,   s = t_next,  σ = η·s·g(t)  (g: _ddim_sigma_factor)
         c = sqrt(max(s² − σ², 0))   ("ddim", exact variance preservation)   or   s − σ²/(2s)   ("mm", A2)
         std = σ (NOT times sqrt|Δt|),  kl_std = σ
 
