@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from flowcredit.cli.main import main
 from flowcredit.models.pretrain import PretrainConfig, pretrain, resolve_device, sample_t
 from flowcredit.models.tiny import TinyDiTConfig, TinyFlowModel
+from flowcredit.trainer import checkpoint
 
 
 def _cfg(out, steps):
@@ -19,6 +20,11 @@ def _cfg(out, steps):
         out_dir=str(out), steps=steps, batch_size=4, model={"width": 32, "depth": 1, "heads": 2},
         checkpoint_every=2, log_every=1, precision="fp32", threads=1,
     )
+
+
+def _state(out):
+    """The newest checkpoint of a pretraining run folder (checkpoints/stepNNNNNN/, safetensors + JSON)."""
+    return checkpoint.load(checkpoint.find_latest(out / "checkpoints", prefix="step"))
 
 
 def _log(out):
@@ -33,7 +39,7 @@ def runs(tmp_path_factory):
     # The initial weights come from cfg.seed (test_seed_determines_initial_weights), whatever the global RNG holds.
     torch.manual_seed(0)
     pretrain(_cfg(resumed, 3), progress=False)
-    after3 = {"log": _log(resumed), "state": torch.load(resumed / "state.pt", weights_only=False)}
+    after3 = {"log": _log(resumed), "state": _state(resumed)}
     pretrain(_cfg(resumed, 5), progress=False)
     torch.manual_seed(0)
     pretrain(_cfg(straight, 5), progress=False)
@@ -58,14 +64,15 @@ def test_run_folder_contents(runs):
 def test_resume_continues_from_checkpoint(runs):
     resumed, _, _ = runs
     assert [r["step"] for r in _log(resumed)] == [1, 2, 3, 4, 5]
-    assert torch.load(resumed / "state.pt", weights_only=False)["step"] == 5
-    assert not list(resumed.glob("*.tmp"))  # atomic writes leave no temp file
+    assert _state(resumed)["step"] == 5
+    assert not list(resumed.glob("**/*.tmp"))  # atomic writes leave no temp file
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["step000004", "step000005"]  # keep=2
 
 
 def test_resume_is_bit_exact(runs):
     resumed, straight, _ = runs
-    a = torch.load(resumed / "state.pt", weights_only=False)
-    b = torch.load(straight / "state.pt", weights_only=False)
+    a = _state(resumed)
+    b = _state(straight)
     for key in ("model", "ema"):
         assert a[key].keys() == b[key].keys()
         for k in a[key]:
@@ -94,7 +101,7 @@ def test_seed_determines_initial_weights(tmp_path):
         torch.manual_seed(global_seed)
         cfg = _cfg(tmp_path / name, 1)
         pretrain(cfg, progress=False)
-        states.append(torch.load(tmp_path / name / "state.pt", weights_only=False)["model"])
+        states.append(_state(tmp_path / name)["model"])
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
 
 
@@ -127,13 +134,13 @@ def test_max_minutes_checkpoints_and_resume_finishes_identically(tmp_path, capsy
     cfg.max_minutes = 1e-9
     pretrain(cfg, progress=False)
     assert "stopped at step 1 of 3" in capsys.readouterr().out
-    st = torch.load(tmp_path / "limited" / "state.pt", weights_only=False)
+    st = _state(tmp_path / "limited")
     assert st["step"] == 1 and (tmp_path / "limited" / "ema" / "step000001.safetensors").exists()
     cfg.max_minutes = 0.0
     pretrain(cfg, progress=False)
     pretrain(_cfg(tmp_path / "straight", 3), progress=False)
-    a = torch.load(tmp_path / "limited" / "state.pt", weights_only=False)["model"]
-    b = torch.load(tmp_path / "straight" / "state.pt", weights_only=False)["model"]
+    a = _state(tmp_path / "limited")["model"]
+    b = _state(tmp_path / "straight")["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -148,7 +155,7 @@ def test_worker_processes_render_the_batches(tmp_path):
     assert [r["loss"] for r in log] != [r["loss"] for r in _log(tmp_path / "p")]
     cfg.steps = 4
     pretrain(cfg, progress=False)
-    assert torch.load(tmp_path / "w" / "state.pt", weights_only=False)["step"] == 4
+    assert _state(tmp_path / "w")["step"] == 4
 
 
 @pytest.mark.parametrize("fast", [True, False])

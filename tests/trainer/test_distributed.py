@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dist_script as ds  # noqa: E402
 
+from flowcredit.trainer import checkpoint  # noqa: E402
 from flowcredit.trainer.distributed import Shard, layout_noise, plan_update  # noqa: E402
 
 
@@ -67,7 +68,7 @@ def test_two_processes_match_one_process(tmp_path, model_path, case):
         for k in ("reward_mean", "reward_std", "grad_norm", "credit/adv_std"):
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
     # only rank 0 wrote the run folder, and its checkpoint verifies
-    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["iter000002.json", "iter000002.pt"]
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["iter000002"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -143,7 +144,7 @@ def test_offload_optimizer_is_honoured_and_exact(tmp_path, model_path):
     a, b = _weights(plain), _weights(off)
     assert all(torch.equal(a[k], b[k]) for k in a)
     # the optimizer state has the plain layout: a plain run resumes from an offloaded checkpoint
-    st = torch.load(tmp_path / "off" / "checkpoints" / "iter000002.pt", weights_only=False)
+    st = checkpoint.load(tmp_path / "off" / "checkpoints" / "iter000002")
     plain.opt.load_state_dict(st["optimizer"])
 
 

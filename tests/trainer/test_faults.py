@@ -98,9 +98,9 @@ def test_repeated_nan_stops_the_run_with_the_last_checkpoint_intact(tmp_path, mo
         tr.train()
     d = out / "checkpoints"
     # iteration 2 was skipped (and checkpointed: counting and skipping is survivable); iteration 3 hit the limit
-    assert checkpoint.find_latest(d) == d / "iter000002.pt" and checkpoint.verify(d / "iter000002.pt") is None
+    assert checkpoint.find_latest(d) == d / "iter000002" and checkpoint.verify(d / "iter000002") is None
     assert [r["iteration"] for r in read_metrics(out)] == [1, 2]
-    ck = checkpoint.load(d / "iter000002.pt")
+    ck = checkpoint.load(d / "iter000002")
     assert ck["faults"] == {"consecutive": 1, "total": 1}
 
     # through the CLI: one line, exit code 3
@@ -142,8 +142,8 @@ def test_reward_that_keeps_failing_stops_with_the_last_checkpoint_intact(tmp_pat
     with pytest.raises(RunStopped, match=r"reward failed 2 times \(faults.reward_retries=1\); last error: ConnectionError"):
         tr.train()
     d = out / "checkpoints"
-    assert sorted(p.name for p in d.iterdir()) == ["iter000001.json", "iter000001.pt"]
-    assert checkpoint.verify(d / "iter000001.pt") is None
+    assert sorted(p.name for p in d.iterdir()) == ["iter000001"]
+    assert checkpoint.verify(d / "iter000001") is None
     assert [r["iteration"] for r in read_metrics(out)] == [1]
 
 
@@ -174,7 +174,7 @@ def test_sigterm_checkpoints_at_the_end_of_the_iteration_and_exits_0(tmp_path, m
     assert "received SIGTERM: finishing this iteration" in captured.err
     assert f"stopped by SIGTERM after iteration 2; checkpoint written. Continue with: flowcredit train resume={out}" in captured.out
     d = out / "checkpoints"
-    assert checkpoint.find_latest(d) == d / "iter000002.pt"  # iteration 2 finished, checkpoint_every not reached
+    assert checkpoint.find_latest(d) == d / "iter000002"  # iteration 2 finished, checkpoint_every not reached
     assert [r["iteration"] for r in read_metrics(out)] == [1, 2]
     assert not (out / "eval.json").exists()
 
@@ -198,8 +198,8 @@ def test_nan_on_one_rank_is_skipped_and_stopped_by_every_rank(tmp_path, model_pa
     assert "ALARM: non-finite rewards at iteration 1: update skipped (1 of 2 in a row, 1 in total)" in log  # rank 0's view
     assert "error: stopped at iteration 2: 2 consecutive updates skipped for NaN/Inf (last: rewards)" in log
     d = out / "checkpoints"
-    assert checkpoint.find_latest(d) == d / "iter000001.pt" and not (d / "iter000002.pt").exists()
+    assert checkpoint.find_latest(d) == d / "iter000001" and not (d / "iter000002").exists()
     assert [(r["iteration"], r["nonfinite_reason"]) for r in read_metrics(out)] == [(1, "rewards")]
     init = ds.make_trainer(model_path, tmp_path / "init")  # the skipped iteration left the weights as initialised
-    a, b = weights(init), checkpoint.load(d / "iter000001.pt")["model"]
+    a, b = weights(init), checkpoint.load(d / "iter000001")["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -5,6 +5,7 @@ or not; the config rejects FSDP with LoRA; one process ignores the switch with a
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from flowcredit.cli.main import PRESET_DIR  # noqa: E402
 from flowcredit.config import load_config  # noqa: E402
 from flowcredit.config.load import ConfigError  # noqa: E402
 from flowcredit.config.schema import TrainConfig  # noqa: E402
+from flowcredit.trainer import checkpoint  # noqa: E402
 
 # stepwise: step rewards, KL to the (sharded) reference, sharded EMA; 3 optimizer steps per iteration with
 # 1-pair micro-batches, so the ranks' micro-batch counts differ and the zero-weight padding passes run; gradient
@@ -93,11 +95,11 @@ def test_fsdp_two_processes_match_one_process_and_resume(tmp_path, model_path):
         assert v2[which]["reward_mean"] == pytest.approx(v1[which]["reward_mean"], rel=1e-5), which
 
     # the checkpoint holds the gathered full weights, EMA and AdamW state in the plain (unsharded) layout
-    st = torch.load(tmp_path / "two" / "checkpoints" / "iter000002.pt", weights_only=False)
+    st = checkpoint.load(tmp_path / "two" / "checkpoints" / "iter000002")
     assert st["model"].keys() == r0.keys() and all(torch.equal(st["model"][k], r0[k]) for k in r0)
     assert st["ema"].keys() == set(one.trainable_names)
     assert sorted(st["optimizer"]["state"]) == list(range(len(one.trainable_names)))
-    plain = torch.load(tmp_path / "one" / "checkpoints" / "iter000002.pt", weights_only=False)  # the 1-process one
+    plain = checkpoint.load(tmp_path / "one" / "checkpoints" / "iter000002")  # the 1-process one
     assert st["optimizer"]["param_groups"] == plain["optimizer"]["param_groups"]
     for i, s in st["optimizer"]["state"].items():
         for key in ("step", "exp_avg", "exp_avg_sq"):
@@ -114,10 +116,8 @@ def test_fsdp_two_processes_match_one_process_and_resume(tmp_path, model_path):
         torch.testing.assert_close(f0[k], ref3[k], rtol=1e-5, atol=1e-5, msg=f"FSDP resume vs 1 process: {k}")
     assert [r["iteration"] for r in read_jsonl(tmp_path / "two" / "metrics.jsonl")] == [1, 2, 3]
 
-    (tmp_path / "plain").mkdir()
-    (tmp_path / "plain" / "checkpoints").mkdir()
-    for name in ("iter000002.pt", "iter000002.json"):
-        (tmp_path / "plain" / "checkpoints" / name).write_bytes((tmp_path / "two" / "checkpoints" / name).read_bytes())
+    (tmp_path / "plain" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "two" / "checkpoints" / "iter000002", tmp_path / "plain" / "checkpoints" / "iter000002")
     back = ds.make_trainer(model_path, tmp_path / "plain", *EXTRA, *NO_END_EVAL)
     assert back.iteration == 2
     back.train()
