@@ -69,6 +69,7 @@ from .distributed import (
     plan_update,
 )
 from .faults import NonFiniteGuard, RetryingCall, StopSignal, first_nonfinite, inject_point
+from .loggers import build_loggers, scalars_of
 
 
 class TrainingError(RuntimeError):
@@ -212,17 +213,15 @@ class GRPOTrainer:
             self.load_checkpoint(ckpt)
             if self.dist.is_main:
                 print(f"resuming from {ckpt} (iteration {self.iteration})", file=sys.stderr, flush=True)
-        self.metrics_f = self.tb = None
+        self.metrics_f, self.loggers = None, []  # rank 0 only: metrics.jsonl + run.loggers (trainer/loggers.py)
         if self.dist.is_main:
             for log_file in ("metrics.jsonl", "eval_curve.jsonl", "gold.jsonl"):  # a resumed run redoes later iterations
                 checkpoint.truncate_jsonl(self.out / log_file, self.iteration if ckpt is not None else -1)
             self.metrics_f = open(self.out / "metrics.jsonl", "a")
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(self.out / "tb"))
-            except Exception:  # tensorboard missing: metrics.jsonl is the record of truth
-                self.tb = None
+            try:  # default [tensorboard] is best effort: metrics.jsonl is the record of truth
+                self.loggers = build_loggers(cfg.run.loggers, self.out, dataclasses.asdict(cfg))
+            except ValueError as e:  # a named logger that is unknown or not installed: one line with the pip command
+                raise TrainingError(str(e)) from None
 
     def _build_reward(self, build_reward):
         rc = self.cfg.reward
@@ -291,8 +290,8 @@ class GRPOTrainer:
             result["eval"] = self.final_eval()
         if self.metrics_f is not None:
             self.metrics_f.close()
-        if self.tb is not None:
-            self.tb.close()
+        for logger in self.loggers:
+            logger.close()
         self.dist.close()
         return result
 
@@ -609,12 +608,10 @@ class GRPOTrainer:
             rec[k] = v
         self.metrics_f.write(json.dumps(rec) + "\n")
         self.metrics_f.flush()
-        if self.tb is not None:
-            for k, v in rec.items():
-                if isinstance(v, (int, float)) and k != "iteration" and math.isfinite(float(v)):
-                    self.tb.add_scalar(k, v, self.iteration)
-            for k, v in rec.get("seconds", {}).items():
-                self.tb.add_scalar(f"seconds/{k}", v, self.iteration)
+        if self.loggers:
+            scalars = scalars_of(rec)  # finite numbers + seconds/<phase>
+            for logger in self.loggers:
+                logger.log_scalars(self.iteration, scalars)
 
     def save_grid(self, images: torch.Tensor, prompts: list[str]) -> None:
         from ..eval.evaluate import make_grid, save_png
@@ -658,10 +655,11 @@ class GRPOTrainer:
             with open(self.out / "eval_curve.jsonl", "a") as f:
                 f.write(json.dumps(rec) + "\n")
         inject_point("eval", self.iteration)
-        if self.tb is not None:
-            self.tb.add_scalar("eval/reward", s["reward_mean"], self.iteration)
-            if s.get("strict_overall") is not None:
-                self.tb.add_scalar("eval/strict_overall", s["strict_overall"], self.iteration)
+        scalars = {"eval/reward": s["reward_mean"]}
+        if s.get("strict_overall") is not None:
+            scalars["eval/strict_overall"] = s["strict_overall"]
+        for logger in self.loggers:
+            logger.log_scalars(self.iteration, scalars)
 
     def final_eval(self) -> dict[str, Any]:
         """eval.json: the trained model (EMA weights if on) and, with run.eval_baseline, the initial model, on the
