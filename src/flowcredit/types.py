@@ -24,6 +24,18 @@ from torch import Tensor
 Cond = dict[str, Tensor]
 
 
+def to_uint8_hwc(images: Tensor) -> Tensor:
+    """Decoded images → 8-bit pixels, the one conversion every reward, grid and verifier uses (Flow-GRPO's ×255).
+
+    Args:
+        images: (B, 3, H, W) float in [0, 1] (values outside are clamped), any device and float dtype.
+
+    Returns:
+        (B, H, W, 3) uint8 on CPU, each value round(255·clamp(x, 0, 1)) (round half to even).
+    """
+    return (images.detach().float().clamp(0, 1) * 255.0).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+
+
 def cond_index(cond: Cond, index: Tensor | slice) -> Cond:
     """Select rows of every tensor of a conditioning record."""
     return {k: v[index] for k, v in cond.items()}

@@ -86,7 +86,7 @@ def _reused_line(study: Study, out: Path) -> list[str]:
                 items.append(f"{r.name}/seed{s} ← `{src}`")
     if not items:
         return []
-    return [f"- reused, not retrained (identical resolved config; `--reuse`): " + "; ".join(items)]
+    return ["- reused, not retrained (identical resolved config; `--reuse`): " + "; ".join(items)]
 
 
 def write_report(study: Study, out: Path, command: str, figure: bool = True) -> Path:
@@ -105,7 +105,7 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
              *_reused_line(study, out),
              f"- seeds: {study.seeds}; iterations per run: {study.iterations}; periodic eval every {study.eval_every} iterations on "
              f"{study.eval_subset} tag-balanced held-out prompts (ODE, run.eval_steps steps, run.eval_guidance, fixed noise; see each run's config.yaml); final eval on the full held-out split.",
-             f"- arms: " + "; ".join(f"**{r.name}** = `{r.preset} {' '.join(study.overrides + r.overrides)}`" for r in study.runs), ""]
+             "- arms: " + "; ".join(f"**{r.name}** = `{r.preset} {' '.join(study.overrides + r.overrides)}`" for r in study.runs), ""]
 
     # --- curves -----------------------------------------------------------------------------------------------
     max_it = float(study.iterations)
@@ -286,15 +286,16 @@ def reward_trajectory_figure(run: Path, png: Path, prompt_index: int = 0, group:
     import matplotlib.pyplot as plt
     import torch
 
-    from ..models.loading import load_any_model
     from ..config import load_config
     from ..config.schema import TrainConfig
+    from ..models.loading import load_any_model
     from ..rewards.shapes import ShapesReward
     from ..samplers.estimates import trajectory_estimates
     from ..samplers.rollout import make_initial_noise, rollout
     from ..samplers.schedules import time_grid
     from ..shapes.prompts import load_prompts
     from ..trainer.grpo import sampler_params
+    from ..types import to_uint8_hwc
 
     cfg = load_config(TrainConfig, str(run / "config.yaml"))
     model = load_any_model(str(run), "fp32")
@@ -312,7 +313,7 @@ def reward_trajectory_figure(run: Path, png: Path, prompt_index: int = 0, group:
     T = traj.num_steps
     imgs = model.decode(est.x0_hat.reshape(group * (T + 1), *est.x0_hat.shape[2:]))
     rho = ShapesReward()(imgs, [prompts[0]] * len(imgs), [meta[0]] * len(imgs)).scores.view(group, T + 1)
-    u8 = (imgs.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy().reshape(group, T + 1, *imgs.shape[2:], 3)
+    u8 = to_uint8_hwc(imgs).numpy().reshape(group, T + 1, *imgs.shape[2:], 3)
     fig = plt.figure(figsize=(1.1 * (T + 1), 2.5 + 1.1 * group))
     ax = fig.add_axes([0.1, 1 - 2.1 / (2.5 + 1.1 * group), 0.88, 1.6 / (2.5 + 1.1 * group)])
     for i in range(group):

@@ -12,6 +12,8 @@ from typing import Any, Protocol, Sequence
 import torch
 from torch import Tensor
 
+from ..types import to_uint8_hwc as to_uint8_hwc  # re-exported: rewards import it from here
+
 
 class RewardError(RuntimeError):
     """A reward could not score a batch (bad input, a model that failed, a server that gave up). Never swallowed."""
@@ -40,11 +42,6 @@ class RewardFn(Protocol):
 
     def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any) -> RewardOutput:
         ...
-
-
-def to_uint8_hwc(images: Tensor) -> Tensor:
-    """(B, 3, H, W) float [0, 1] → (B, H, W, 3) uint8 (round to nearest), on CPU."""
-    return (images.detach().float().clamp(0, 1) * 255.0).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
 
 
 def check_inputs(name: str, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None) -> int:

@@ -33,7 +33,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .detect import DetectorConfig, Detections, config_for_resolution, detect
+from .detect import Detections, DetectorConfig, config_for_resolution, detect
 from .geneval import evaluate
 from .render import RELATION_AXIS, relative_position
 from .vocab import TAGS, World, check_color, check_shape, get_world
@@ -199,8 +199,11 @@ def to_uint8_images(images: Any) -> list[np.ndarray]:
         if t.ndim != 4 or t.shape[1] != 3:
             raise ValueError(f"expected a (B, 3, H, W) tensor, got shape {tuple(t.shape)}")
         if t.is_floating_point():
-            t = (t.float() * 255).round().clamp(0, 255)
-        arr = t.numpy().astype(np.uint8).transpose(0, 2, 3, 1)
+            from ..types import to_uint8_hwc  # torch is loaded: `images` is a tensor
+
+            arr = to_uint8_hwc(t).numpy()
+        else:
+            arr = t.numpy().astype(np.uint8).transpose(0, 2, 3, 1)
         return [np.ascontiguousarray(a) for a in arr]
     if isinstance(images, np.ndarray):
         if images.ndim == 3:
