@@ -171,7 +171,7 @@ def test_train_subprocess_end_to_end(tmp_path, model_path):
     assert run.parent == tmp_path / "runs" and run.name.startswith("tiny_flow_grpo-")
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
     assert (run / "config.yaml").exists() and (run / "eval.json").exists()
-    assert list((run / "checkpoints").glob("iter000001.pt"))
+    assert list((run / "checkpoints").glob("iter000001"))
     assert "done: 1 iterations" in proc.stdout
     # the run folder is also a valid --checkpoint for eval (loads the trainer checkpoint)
     assert main(["eval", "--checkpoint", str(run), "--prompts", "shapes:test_unique", "--limit", "2", "--steps", "2", "--out", str(tmp_path / "ev")]) == 0

@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
-from flowcredit.eval.evaluate import evaluate, generate, line_noise, make_grid, tag_balanced_subset
+from flowcredit.eval.evaluate import caption_grid, evaluate, generate, line_noise, make_grid, tag_balanced_subset
 from flowcredit.models.tiny import TinyDiTConfig, TinyFlowModel
 from flowcredit.shapes.prompts import PromptSet, load_prompts
 from flowcredit.shapes.vocab import TAGS
@@ -104,3 +105,52 @@ def test_make_grid_layout():
     assert g.shape == (3 * 5 + 1, 2 * 5 + 1, 3)
     assert (g[1:5, 1:5] == 0).all() and (g[1:5, 6:10] == 1).all() and (g[11:15, 1:5] == 4).all()
     assert (g[11:15, 6:10] == 255).all()  # the empty cell stays white
+
+
+def _band(g, top, height):
+    """The caption band under a grid row (rows top..top+height): True where a pixel is not white."""
+    return (g[top : top + height] < 255).any(axis=2)
+
+
+def test_caption_grid_writes_each_prompt_under_its_cell():
+    imgs = np.stack([np.full((4, 4, 3), 10 * i, dtype=np.uint8) for i in range(4)])
+    g = caption_grid(imgs, ["red", "", "a blue square", "green"], ncol=2, scale=3, pad=2)
+    cw = 12  # 4 px × scale 3
+    # the images are there, enlarged 3×, untouched by the text
+    assert (g[2:14, 2:14] == 0).all() and (g[2:14, 16:28] == 10).all()
+    row0 = _band(g, 14, 16)  # caption band of row 0 (one text line + padding)
+    assert row0[:, 2 : 2 + cw].any()  # "red" under cell 0
+    assert not row0[:, 16 : 16 + cw].any()  # "" leaves cell 1 blank
+    assert g.shape[1] == 2 * (cw + 2) + 2 and g.shape[0] > 2 * (12 + 2) + 2  # taller than the uncaptioned grid
+    # the text is the prompt: a different prompt draws different pixels
+    other = caption_grid(imgs, ["blue", "", "a blue square", "green"], ncol=2, scale=3, pad=2)
+    assert not np.array_equal(g[14:30, 2 : 2 + cw], other[14:30, 2 : 2 + cw])
+
+
+def test_caption_grid_shares_one_caption_per_group_row():
+    # a training grid: a row = one prompt × G samples; the caption spans the row instead of being cut per cell
+    imgs = np.zeros((4, 8, 8, 3), dtype=np.uint8)
+    prompt = "a photo of a red circle"
+    shared = caption_grid(imgs, [prompt, prompt, "b", "b"], ncol=2, scale=3)
+    per_cell = caption_grid(imgs, [prompt, prompt + " ", "b", "b"], ncol=2, scale=3)  # different: wrapped per cell
+    assert shared.shape[0] < per_cell.shape[0]  # one line across the row vs several lines in a narrow cell
+    with pytest.raises(ValueError, match="4 images but 3 captions"):
+        caption_grid(imgs, ["a", "b", "c"], ncol=2)
+
+
+def test_caption_grid_wraps_and_truncates_long_prompts():
+    imgs = np.zeros((1, 8, 8, 3), dtype=np.uint8)
+    long = "a " + "supercalifragilistic " * 20
+    g = caption_grid(imgs, [long], ncol=1, scale=3, max_lines=2)
+    g4 = caption_grid(imgs, [long], ncol=1, scale=3, max_lines=4)
+    assert g.shape[0] < g4.shape[0] and g.shape[1] == g4.shape[1] == 24 + 4  # width never grows with the text
+
+
+def test_evaluate_grid_has_captions(tmp_path, model):
+    ps = load_prompts("shapes:test_unique")
+    sub = PromptSet(ps.prompts[:3], ps.metadata[:3], "sub")
+    evaluate(model, sub, steps=2, out_dir=tmp_path / "ev", write_samples=False)
+    grid = np.asarray(Image.open(tmp_path / "ev" / "grid.png"))
+    plain = make_grid(np.zeros((3, 32, 32, 3), dtype=np.uint8))
+    assert grid.shape[1] == 3 * (32 * 3 + 2) + 2 and grid.shape[0] > plain.shape[0] * 3  # room for the prompts
+    assert (grid[2 + 96 : -2] < 128).any()  # dark text under the images

@@ -19,13 +19,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import dist_script as ds  # noqa: E402
+import dist_script as ds
 
-from flowcredit.cli.main import main  # noqa: E402
-from flowcredit.config import load_config  # noqa: E402
-from flowcredit.config.load import dump_yaml  # noqa: E402
-from flowcredit.config.schema import TrainConfig  # noqa: E402
-from flowcredit.trainer import checkpoint  # noqa: E402
+from flowcredit.cli.main import main
+from flowcredit.config import load_config
+from flowcredit.config.load import dump_yaml
+from flowcredit.config.schema import TrainConfig
+from flowcredit.trainer import checkpoint
 
 PRESET_DIR = Path(checkpoint.__file__).resolve().parent.parent / "configs"
 
@@ -84,8 +84,8 @@ def one_line_error(capsys, argv: list[str]) -> str:
 
 def commands(target: Path, tmp_path: Path) -> dict[str, list[str]]:
     return {
-        "eval": ["eval", "--checkpoint", str(target), "--prompts", "shapes:test_unique", "--limit", "1", "--steps", "1",
-                 "--out", str(tmp_path / "ev")],
+        "eval": ["eval", "--checkpoint", str(target), "--prompts", "shapes:test_unique", "--limit", "1",
+                 "--steps", "1", "--out", str(tmp_path / "ev")],
         "sample": ["sample", "a photo of a red circle", "--checkpoint", str(target), "--steps", "1", "--n", "1",
                    "--out", str(tmp_path / "s.png")],
         "export": ["export", str(target), str(tmp_path / "exported")],
@@ -141,7 +141,8 @@ def _forge(folder: Path, files: dict[str, bytes]) -> None:
 
 @pytest.mark.parametrize("forged", ["tensors_is_pickle", "state_is_pickle"])
 @pytest.mark.parametrize("command", ["eval", "export", "resume"])
-def test_forged_checkpoint_folder_with_pickles_inside_never_runs(tmp_path, model_path, marker, capsys, forged, command):
+def test_forged_checkpoint_folder_with_pickles_inside_never_runs(tmp_path, model_path, marker, capsys, forged,
+                                                                 command):
     run = run_folder(tmp_path, model_path)
     pk = tmp_path / "payload.pt"
     write_torch_pickle(pk, marker)
@@ -164,7 +165,8 @@ def test_pretrain_refuses_an_old_pickle_state(tmp_path, marker, capsys):
     out = tmp_path / "pre"
     out.mkdir()
     write_torch_pickle(out / "state.pt", marker)
-    line = one_line_error(capsys, ["pretrain", "--out_dir", str(out), "--steps", "1", "--batch_size", "2", "--threads", "1"])
+    argv = ["pretrain", "--out_dir", str(out), "--steps", "1", "--batch_size", "2", "--threads", "1"]
+    line = one_line_error(capsys, argv)
     assert "state.pt" in line and "flowcredit convert --trust" in line
     assert not marker.exists()
 
@@ -225,13 +227,15 @@ def test_flatten_round_trips_every_state_type(tmp_path):
         "iteration": 7, "model": net.state_dict(), "optimizer": opt.state_dict(), "rng": checkpoint.rng_states(),
         "gen": torch.Generator().manual_seed(3).get_state(), "pcg": np.random.default_rng(5).bit_generator.state,
         "floats": [float("nan"), float("inf"), -0.0, 1e-300], "bytes": b"\x00\xff", "none": None, "flag": True,
-        "view": base[2:5], "same_storage": (base, base[:2]), "int_keys": {3: "a", (1, 2): "b"}, "bf16": torch.ones(2, dtype=torch.bfloat16),
+        "view": base[2:5], "same_storage": (base, base[:2]), "int_keys": {3: "a", (1, 2): "b"},
+        "bf16": torch.ones(2, dtype=torch.bfloat16),
         "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3), "np_scalar": np.float32(1.5), "__dunder__": {"x": 1},
     }
     path = checkpoint.save(state, tmp_path / "ck" / "iter000007", iteration=7)
     back = checkpoint.load(path)
     assert back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.99)
-    assert sorted(back["optimizer"]["state"]) == [0, 1] and torch.equal(back["optimizer"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert sorted(back["optimizer"]["state"]) == [0, 1]
+    assert torch.equal(back["optimizer"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
     opt2 = torch.optim.AdamW(net.parameters())
     opt2.load_state_dict(back["optimizer"])
     np.random.set_state(back["rng"]["numpy"])

@@ -12,9 +12,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import dist_script as ds  # noqa: E402
+import dist_script as ds
 
-from flowcredit.trainer.loggers import TensorBoardLogger, WandbLogger, build_loggers, scalars_of  # noqa: E402
+from flowcredit.trainer.loggers import TensorBoardLogger, WandbLogger, build_loggers, scalars_of
 
 
 class FakeRun:

@@ -9,14 +9,15 @@ Output folder (GenEval's, SHAPES_BENCHMARK.md §1.2):
     <out>/<index:05d>/samples/0000.png
     <out>/results.jsonl                GenEval's columns + strict, reward
     <out>/summary.json                 per-tag and overall (unweighted tag mean) for correct and strict
-    <out>/grid.png                     a grid of the first samples
+    <out>/grid.png                     a grid of the first 128 samples, each with its prompt as caption
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,6 +47,99 @@ def make_grid(images: np.ndarray, ncol: int = 16, pad: int = 1) -> np.ndarray:
         r, c = divmod(k, ncol)
         grid[pad + r * (h + pad) : pad + r * (h + pad) + h, pad + c * (w + pad) : pad + c * (w + pad) + w] = images[k]
     return grid
+
+
+def _wrap(text: str, font, width: int, max_lines: int) -> list[str]:
+    """Greedy word wrap of ``text`` to ``width`` pixels in ``font``; a word wider than the width is split; more than
+    ``max_lines`` lines end in '...'."""
+    lines: list[str] = []
+    cur = ""
+    for word in text.split():
+        cand = f"{cur} {word}" if cur else word
+        if font.getlength(cand) <= width:
+            cur = cand
+            continue
+        if cur:
+            lines.append(cur)
+        cur = word
+        while len(cur) > 1 and font.getlength(cur) > width:  # hard-split a word that cannot fit on one line
+            k = len(cur) - 1
+            while k > 1 and font.getlength(cur[:k]) > width:
+                k -= 1
+            lines.append(cur[:k])
+            cur = cur[k:]
+    if cur:
+        lines.append(cur)
+    if len(lines) > max_lines:
+        lines = lines[:max_lines]
+        last = lines[-1]
+        while last and font.getlength(last + "...") > width:
+            last = last[:-1]
+        lines[-1] = last + "..."
+    return lines
+
+
+def caption_grid(images: np.ndarray, captions: Sequence[str], ncol: int = 16, *, scale: int = 3, pad: int = 2,
+                 max_lines: int = 4, font_size: int = 10) -> np.ndarray:
+    """A grid with each image's prompt written under it: (N, H, W, 3) uint8 + N captions → one uint8 image.
+
+    Images are enlarged ``scale``× (nearest neighbour, as ``save_png`` does) so the text has room. Consecutive cells
+    of a row with the same caption (a training grid's row = one prompt × G samples) share one caption spanning them;
+    otherwise each cell gets its own, wrapped to the cell width (at most ``max_lines`` lines). Black text on white.
+
+    Args:
+        images: (N, H, W, 3) uint8.
+        captions: N strings (the prompts); "" leaves a cell uncaptioned.
+        ncol: cells per row.
+
+    Returns:
+        (sum over rows of (scale·H + pad + caption height_r) + pad, ncol·(scale·W + pad) + pad, 3) uint8.
+    """
+    from PIL import Image, ImageDraw, ImageFont
+
+    n, h, w, _ = images.shape
+    if len(captions) != n:
+        raise ValueError(f"caption_grid: {n} images but {len(captions)} captions")
+    ncol = max(1, min(ncol, n))
+    rows = (n + ncol - 1) // ncol
+    big = images.repeat(scale, axis=1).repeat(scale, axis=2)  # (N, scale·H, scale·W, 3)
+    ch, cw = h * scale, w * scale
+    font = ImageFont.load_default(size=font_size)
+    ascent, descent = font.getmetrics()
+    line_h = ascent + descent + 1
+    layout = []  # per row: [(first col, last col, wrapped lines)]
+    for r in range(rows):
+        cells = list(range(r * ncol, min(n, (r + 1) * ncol)))
+        groups: list[list[int]] = []
+        for k in cells:
+            if groups and captions[k] == captions[groups[-1][0]]:
+                groups[-1].append(k)
+            else:
+                groups.append([k])
+        row = []
+        for g in groups:
+            c0, c1 = g[0] - r * ncol, g[-1] - r * ncol
+            width = (c1 - c0 + 1) * (cw + pad) - pad - 2
+            row.append((c0, c1, _wrap(str(captions[g[0]]), font, width, max_lines)))
+        layout.append(row)
+    cap_h = [max((len(lines) for *_, lines in row), default=0) * line_h for row in layout]
+    height = sum(ch + pad + c for c in cap_h) + pad
+    grid = np.full((height, ncol * (cw + pad) + pad, 3), 255, dtype=np.uint8)
+    y = pad
+    tops = []
+    for r in range(rows):
+        for k in range(r * ncol, min(n, (r + 1) * ncol)):
+            x = pad + (k - r * ncol) * (cw + pad)
+            grid[y : y + ch, x : x + cw] = big[k]
+        tops.append(y + ch)
+        y += ch + pad + cap_h[r]
+    img = Image.fromarray(grid)
+    draw = ImageDraw.Draw(img)
+    for r, row in enumerate(layout):
+        for c0, _, lines in row:
+            for i, line in enumerate(lines):
+                draw.text((pad + c0 * (cw + pad) + 1, tops[r] + 1 + i * line_h), line, fill=(0, 0, 0), font=font)
+    return np.asarray(img)
 
 
 def save_png(array: np.ndarray, path: str | Path, scale: int = 1) -> None:
@@ -166,7 +260,8 @@ def evaluate(
             for row in rows:
                 f.write(json.dumps(row) + "\n")
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        save_png(make_grid(u8[: min(n, 128)]), out / "grid.png", scale=3)
+        m = min(n, 128)
+        save_png(caption_grid(u8[:m], prompts[:m], ncol=16, scale=3), out / "grid.png")  # the prompt under each sample
     return summary
 
 

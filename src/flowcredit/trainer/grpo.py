@@ -614,13 +614,15 @@ class GRPOTrainer:
                 logger.log_scalars(self.iteration, scalars)
 
     def save_grid(self, images: torch.Tensor, prompts: list[str]) -> None:
-        from ..eval.evaluate import make_grid, save_png
+        """`grids/iterNNNNN.png`: one row per prompt group (G samples), its prompt as the row's caption; the prompts
+        also go to `grids/iterNNNNN.txt`. images: (B, 3, H, W) in [0, 1], group-major like `prompts` (B,)."""
+        from ..eval.evaluate import caption_grid, save_png
 
         if not self.dist.is_main:
             return
         G = self.cfg.data.group_size
         u8 = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
-        save_png(make_grid(u8, ncol=G), self.out / "grids" / f"iter{self.iteration:05d}.png", scale=3)
+        save_png(caption_grid(u8, list(prompts), ncol=G, scale=3), self.out / "grids" / f"iter{self.iteration:05d}.png")
         (self.out / "grids" / f"iter{self.iteration:05d}.txt").write_text("\n".join(prompts[::G]) + "\n")
 
     def _swap_in_ema(self):

@@ -40,7 +40,7 @@ class Logger(Protocol):
 
 def scalars_of(record: Mapping[str, Any]) -> dict[str, float]:
     """The loggable scalars of one metrics.jsonl record: every finite int/float except ``iteration``, plus the phase
-    timings of ``record["seconds"]`` as ``seconds/<phase>``. Lists (per-step curves) and strings are left to the jsonl."""
+    timings of ``record["seconds"]`` as ``seconds/<phase>``. Lists (per-step curves) and strings stay in the jsonl."""
     out: dict[str, float] = {}
     for k, v in record.items():
         if k != "iteration" and isinstance(v, (int, float)) and math.isfinite(float(v)):
@@ -95,7 +95,9 @@ class WandbLogger:
         self.run.finish()
 
 
-def build_loggers(names: Sequence[str] | None, out_dir: str | Path, config: Mapping[str, Any] | None = None) -> list[Logger]:
+def build_loggers(
+    names: Sequence[str] | None, out_dir: str | Path, config: Mapping[str, Any] | None = None
+) -> list[Logger]:
     """The loggers of ``run.loggers`` for run folder ``out_dir``.
 
     Args:
