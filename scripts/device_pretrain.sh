@@ -2,7 +2,7 @@
 # Continue pretraining the shipped tiny model (issue A: its quality is below target) on an accelerator, or on the
 # CPU (slowly: the same commands run there), then evaluate it the way the README's quality table does.
 # Made for a short GPU lease: it stops by itself after MINUTES of training with a checkpoint, and every file it
-# leaves in OUT_DIR is < 16 MB (the big resumable state.pt, ≈ 55 MB, stays in RUN_DIR).
+# leaves in OUT_DIR is < 16 MB (the big resumable checkpoints/, ≈ 55 MB each, stay in RUN_DIR).
 #
 #   usage: scripts/device_pretrain.sh OUT_DIR [MINUTES=7] [STEPS=20000] [BATCH=256]
 #   env:   RUN_DIR (default: a temp folder), LR (3e-4), EVAL_THREADS (8), EVAL_LIMIT (all 524 test lines)
