@@ -240,8 +240,10 @@ def is_checkpoint_dir(path: Path) -> bool:
 def verify(path: Path) -> str | None:
     """None when checkpoint folder ``path`` matches its manifest; else a short description of the problem."""
     path = Path(path)
-    if path.is_file() or path.suffix == ".pt":
+    if path.suffix == ".pt":
         return "a pickle .pt (old format; not read: pickles can run code)" if path.exists() else "file missing"
+    if path.is_file():
+        return "a file, not a checkpoint folder"
     if not path.exists():
         return "folder missing"
     man = path / MANIFEST
