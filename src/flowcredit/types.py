@@ -13,8 +13,9 @@ A rollout walks the grid t_0 = 1 > t_1 > … > t_T = 0; step j maps x^(j) (time 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor

@@ -40,7 +40,9 @@ def load_run(d: Path) -> dict[str, Any]:
     out["eval_iteration"] = np.array([e["iteration"] for e in ev], dtype=float)
     out["eval_reward"] = np.array([e["eval_reward"] for e in ev], dtype=float)
     out["eval_strict"] = np.array([np.nan if e["eval_strict"] is None else e["eval_strict"] for e in ev], dtype=float)
-    out["eval_seconds"] = np.array([0.0 if e["iteration"] == 0 else sec_at.get(float(e["iteration"]), np.nan) for e in ev])
+    out["eval_seconds"] = np.array(
+        [0.0 if e["iteration"] == 0 else sec_at.get(float(e["iteration"]), np.nan) for e in ev]
+    )
     return out
 
 
@@ -97,15 +99,28 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
 
     runs: dict[str, list[dict[str, Any]]] = {}
     for r in study.runs:
-        runs[r.name] = [{**load_run(run_dir(out, r, s)), "seed": s} for s in study.seeds if (run_dir(out, r, s) / "metrics.jsonl").exists()]
+        runs[r.name] = [
+            {**load_run(run_dir(out, r, s)), "seed": s}
+            for s in study.seeds
+            if (run_dir(out, r, s) / "metrics.jsonl").exists()
+        ]
     baseline = study.baseline or study.runs[0].name
-    lines = [f"# Study: {study.name}", "", study.description.strip(), "",
-             f"- command: `{command}`", f"- git commit (this report): `{git_commit()}`",
-             f"- git commit(s) the runs were trained at: {_run_commits_line(study, out)}",
-             *_reused_line(study, out),
-             f"- seeds: {study.seeds}; iterations per run: {study.iterations}; periodic eval every {study.eval_every} iterations on "
-             f"{study.eval_subset} tag-balanced held-out prompts (ODE, run.eval_steps steps, run.eval_guidance, fixed noise; see each run's config.yaml); final eval on the full held-out split.",
-             "- arms: " + "; ".join(f"**{r.name}** = `{r.preset} {' '.join(study.overrides + r.overrides)}`" for r in study.runs), ""]
+    lines = [
+        f"# Study: {study.name}",
+        "",
+        study.description.strip(),
+        "",
+        f"- command: `{command}`",
+        f"- git commit (this report): `{git_commit()}`",
+        f"- git commit(s) the runs were trained at: {_run_commits_line(study, out)}",
+        *_reused_line(study, out),
+        f"- seeds: {study.seeds}; iterations per run: {study.iterations}; periodic eval every {study.eval_every} "
+        f"iterations on {study.eval_subset} tag-balanced held-out prompts (ODE, run.eval_steps steps, "
+        "run.eval_guidance, fixed noise; see each run's config.yaml); final eval on the full held-out split.",
+        "- arms: "
+        + "; ".join(f"**{r.name}** = `{r.preset} {' '.join(study.overrides + r.overrides)}`" for r in study.runs),
+        "",
+    ]
 
     # --- curves -----------------------------------------------------------------------------------------------
     max_it = float(study.iterations)
@@ -128,11 +143,20 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
     lines += ["## Curves", "", "![curves](curves.png)", "", "![eval reward](eval_reward.png)", ""]
 
     # --- final numbers ------------------------------------------------------------------------------------------
-    lines += ["## Final held-out evaluation (full test split)", "",
-              "| arm | seeds | reward (mean ± 95% CI) | strict overall | Δ reward vs initial | Δ strict vs initial | Δ strict per seed | train s (mean) |",
-              "|---|---|---|---|---|---|---|---|"]
-    delta = {name: {k: {r["seed"]: r["final"]["delta"][k] for r in rs if r["final"] and k in r["final"].get("delta", {})}
-                    for k in ("strict_overall", "reward_mean")} for name, rs in runs.items()}
+    lines += [
+        "## Final held-out evaluation (full test split)",
+        "",
+        "| arm | seeds | reward (mean ± 95% CI) | strict overall | Δ reward vs initial | Δ strict vs initial | Δ "
+        "strict per seed | train s (mean) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    delta = {
+        name: {
+            k: {r["seed"]: r["final"]["delta"][k] for r in rs if r["final"] and k in r["final"].get("delta", {})}
+            for k in ("strict_overall", "reward_mean")
+        }
+        for name, rs in runs.items()
+    }
     for name, rs in runs.items():
         fin = [r["final"] for r in rs if r["final"]]
         if not fin:
@@ -144,12 +168,19 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
         dr = final_mean_ci([f["delta"]["reward_mean"] for f in fin if "delta" in f])
         ds = final_mean_ci([f["delta"].get("strict_overall", np.nan) for f in fin if "delta" in f])
         secs = np.mean([r["seconds"][-1] for r in rs if len(r["seconds"])])
-        lines.append(f"| {name} | {len(fin)} | {rw[0]:.4f} ± {rw[1]:.4f} | {st[0]:.4f} ± {st[1]:.4f} | {dr[0]:+.4f} ± {dr[1]:.4f} | {ds[0]:+.4f} ± {ds[1]:.4f} | {per_seed} | {secs:.0f} |")
+        lines.append(
+            f"| {name} | {len(fin)} | {rw[0]:.4f} ± {rw[1]:.4f} | {st[0]:.4f} ± {st[1]:.4f} | {dr[0]:+.4f} ± "
+            f"{dr[1]:.4f} | {ds[0]:+.4f} ± {ds[1]:.4f} | {per_seed} | {secs:.0f} |"
+        )
     lines.append("")
-    lines += [f"Paired by seed against **{baseline}** (runs of one seed share the prompt order, the initial noise and the "
-              "evaluation noise, so the per-seed difference cancels what they have in common); mean ± 95% CI over the "
-              "paired seeds. A CI that includes 0 means the study cannot tell the arm from the baseline.", "",
-              f"| arm | paired seeds | Δ strict − {baseline}'s | per seed | Δ reward − {baseline}'s |", "|---|---|---|---|---|"]
+    lines += [
+        f"Paired by seed against **{baseline}** (runs of one seed share the prompt order, the initial noise and the "
+        "evaluation noise, so the per-seed difference cancels what they have in common); mean ± 95% CI over the "
+        "paired seeds. A CI that includes 0 means the study cannot tell the arm from the baseline.",
+        "",
+        f"| arm | paired seeds | Δ strict − {baseline}'s | per seed | Δ reward − {baseline}'s |",
+        "|---|---|---|---|---|",
+    ]
     for name in runs:
         if name == baseline or baseline not in delta:
             continue
@@ -158,21 +189,29 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
         if not seeds:
             lines.append(f"| {name} | 0 | – | – | – |")
             continue
-        lines.append(f"| {name} | {len(seeds)} | {ms:+.4f} ± {hs:.4f} | {' / '.join(f'{d:+.3f}' for d in ds_)} | {mr:+.4f} ± {hr:.4f} |")
+        lines.append(
+            f"| {name} | {len(seeds)} | {ms:+.4f} ± {hs:.4f} | {' / '.join(f'{d:+.3f}' for d in ds_)} | {mr:+.4f} ± "
+            f"{hr:.4f} |"
+        )
     lines.append("")
 
     # --- time to target -----------------------------------------------------------------------------------------
-    lines += ["## Time to target (periodic held-out evaluation)", "",
-              "Targets are IMPROVEMENTS over the run's own iteration-0 evaluation (same prompts, same noise), so seeds whose "
-              "evaluation noise starts higher or lower compare fairly. Mean over the seeds that reached the target "
-              "(reached/seeds); ratio = arm ÷ baseline (< 1: faster).", "",
-              "| curve | target Δ | arm | iterations | ratio | seconds | ratio |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "## Time to target (periodic held-out evaluation)",
+        "",
+        "Targets are IMPROVEMENTS over the run's own iteration-0 evaluation (same prompts, same noise), so seeds "
+        "whose evaluation noise starts higher or lower compare fairly. Mean over the seeds that reached the target "
+        "(reached/seeds); ratio = arm ÷ baseline (< 1: faster).",
+        "",
+        "| curve | target Δ | arm | iterations | ratio | seconds | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for key, targets in study.targets.items():
         for tgt in targets:
             base_t = None
             rows = []
             for name, rs in runs.items():
-                gain = lambda r: r[key] - r[key][0]  # noqa: E731  (improvement over the initial model)
+                gain = lambda r, key=key: r[key] - r[key][0]  # noqa: E731  (improvement over the initial model)
                 ti = summarize_times([time_to_target(r["eval_iteration"], gain(r), tgt) for r in rs if len(r[key])])
                 ts = summarize_times([time_to_target(r["eval_seconds"], gain(r), tgt) for r in rs if len(r[key])])
                 rows.append((name, ti, ts))
@@ -182,7 +221,10 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
                 fmt = lambda s: "never" if s["mean"] is None else f"{s['mean']:.1f} ({s['reached']}/{s['seeds']})"  # noqa: E731
                 ri = ratio(ti["mean"], base_t[0]["mean"]) if base_t else None
                 rsec = ratio(ts["mean"], base_t[1]["mean"]) if base_t else None
-                lines.append(f"| {key} | {tgt} | {name} | {fmt(ti)} | {'–' if ri is None else f'{ri:.2f}'} | {fmt(ts)} | {'–' if rsec is None else f'{rsec:.2f}'} |")
+                lines.append(
+                    f"| {key} | {tgt} | {name} | {fmt(ti)} | {'–' if ri is None else f'{ri:.2f}'} | {fmt(ts)} | "
+                    f"{'–' if rsec is None else f'{rsec:.2f}'} |"
+                )
     lines.append("")
 
     # --- per tag -----------------------------------------------------------------------------------------------
@@ -193,10 +235,17 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
                 tags = list(r["final"]["trained"]["strict_by_tag"])
                 break
     if tags:
-        lines += ["## Per-tag strict accuracy (final, mean over seeds)", "", "| arm | " + " | ".join(tags) + " |", "|---" * (len(tags) + 1) + "|"]
+        lines += [
+            "## Per-tag strict accuracy (final, mean over seeds)",
+            "",
+            "| arm | " + " | ".join(tags) + " |",
+            "|---" * (len(tags) + 1) + "|",
+        ]
         first = next((r["final"] for rs in runs.values() for r in rs if r["final"] and "base" in r["final"]), None)
         if first:
-            lines.append("| initial model | " + " | ".join(f"{first['base']['strict_by_tag'][t]:.3f}" for t in tags) + " |")
+            lines.append(
+                "| initial model | " + " | ".join(f"{first['base']['strict_by_tag'][t]:.3f}" for t in tags) + " |"
+            )
         for name, rs in runs.items():
             fin = [r["final"]["trained"]["strict_by_tag"] for r in rs if r["final"]]
             if fin:
@@ -204,20 +253,31 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
         lines.append("")
 
     # --- cost --------------------------------------------------------------------------------------------------
-    lines += ["## Cost per iteration (mean over iterations and seeds)", "", "| arm | seconds | NFE rollout | NFE estimates | NFE update | reward calls | phases (s) |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "## Cost per iteration (mean over iterations and seeds)",
+        "",
+        "| arm | seconds | NFE rollout | NFE estimates | NFE update | reward calls | phases (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, rs in runs.items():
         ms = [x for r in rs for x in r["metrics"]]
         if not ms:
             continue
         phases = sorted({k for x in ms for k in x.get("seconds", {})})
         ph = ", ".join(f"{p} {np.mean([x['seconds'].get(p, 0.0) for x in ms]):.2f}" for p in phases)
-        g = lambda k: np.mean([x.get(k, 0) for x in ms])  # noqa: E731
-        lines.append(f"| {name} | {g('seconds_total'):.2f} | {g('nfe_rollout'):.0f} | {g('nfe_estimates'):.0f} | {g('nfe_update'):.0f} | {g('reward_calls'):.0f} | {ph} |")
+        g = lambda k, ms=ms: np.mean([x.get(k, 0) for x in ms])  # noqa: E731
+        lines.append(
+            f"| {name} | {g('seconds_total'):.2f} | {g('nfe_rollout'):.0f} | {g('nfe_estimates'):.0f} | "
+            f"{g('nfe_update'):.0f} | {g('reward_calls'):.0f} | {ph} |"
+        )
     lines.append("")
 
     # --- credit diagnostics: zero-std groups (where group advantages vanish) and ADAE's absolute share ---------
-    diag_keys = [k for k in ("credit/zero_std_group_ratio", "credit/abs_share")
-                 if any(k in x for rs in runs.values() for r in rs for x in r["metrics"])]
+    diag_keys = [
+        k
+        for k in ("credit/zero_std_group_ratio", "credit/abs_share")
+        if any(k in x for rs in runs.values() for r in rs for x in r["metrics"])
+    ]
     if diag_keys:
         for r in (r for rs in runs.values() for r in rs):
             for k in diag_keys:
@@ -229,11 +289,18 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
         fig.tight_layout()
         fig.savefig(out / "diagnostics.png", dpi=90)
         plt.close(fig)
-        lines += ["## Credit diagnostics", "",
-                  "zero_std_group_ratio: fraction of the iteration's groups whose final rewards are all equal (their group-relative "
-                  "advantage is 0); abs_share: share of |advantage| that comes from ADAE's absolute term k·Q (VGPO).", "",
-                  "![diagnostics](diagnostics.png)", "", "| arm | " + " | ".join(f"{k.split('/')[-1]} (mean)" for k in diag_keys) + " |",
-                  "|---" * (len(diag_keys) + 1) + "|"]
+        lines += [
+            "## Credit diagnostics",
+            "",
+            "zero_std_group_ratio: fraction of the iteration's groups whose final rewards are all equal (their "
+            "group-relative advantage is 0); abs_share: share of |advantage| that comes from ADAE's absolute term k·Q "
+            "(VGPO).",
+            "",
+            "![diagnostics](diagnostics.png)",
+            "",
+            "| arm | " + " | ".join(f"{k.split('/')[-1]} (mean)" for k in diag_keys) + " |",
+            "|---" * (len(diag_keys) + 1) + "|",
+        ]
         for name, rs in runs.items():
             vals = []
             for k in diag_keys:
@@ -243,7 +310,15 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
         lines.append("")
 
     # --- Fig. 2 analogue: mean |gain| per step; non-monotone ρ ----------------------------------------------------
-    gain_runs = {n: [x["credit/gain_abs_mean_per_step"] for r in rs for x in r["metrics"] if "credit/gain_abs_mean_per_step" in x] for n, rs in runs.items()}
+    gain_runs = {
+        n: [
+            x["credit/gain_abs_mean_per_step"]
+            for r in rs
+            for x in r["metrics"]
+            if "credit/gain_abs_mean_per_step" in x
+        ]
+        for n, rs in runs.items()
+    }
     gain_runs = {n: g for n, g in gain_runs.items() if g}
     if gain_runs:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -260,18 +335,33 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
         plt.close(fig)
         lines += ["## Gain magnitude per step (Stepwise Fig. 2 analogue)", "", "![gains](gain_per_step.png)", ""]
         for n, rs in runs.items():
-            nm = [x["credit/rho_nonmonotone_frac"] for r in rs for x in r["metrics"] if "credit/rho_nonmonotone_frac" in x]
+            nm = [
+                x["credit/rho_nonmonotone_frac"]
+                for r in rs
+                for x in r["metrics"]
+                if "credit/rho_nonmonotone_frac" in x
+            ]
             if nm:
-                lines.append(f"- {n}: fraction of trajectories whose intermediate reward ρ_j is non-monotone in j: {np.mean(nm):.3f}")
+                lines.append(
+                    f"- {n}: fraction of trajectories whose intermediate reward ρ_j is non-monotone in j: "
+                    f"{np.mean(nm):.3f}"
+                )
         lines.append("")
     if figure and study.figure_run:
         arm = next(r for r in study.runs if r.name == study.figure_run)
         try:
             reward_trajectory_figure(run_dir(out, arm, study.seeds[0]), out / "reward_trajectories.png")
-            lines += ["## Intermediate reward trajectories (Stepwise Fig. 1 analogue)", "",
-                      f"Two samples of one prompt (shared x_T) from the final `{arm.name}` checkpoint (seed {study.seeds[0]}): ρ_j of the "
-                      "x̂0 estimate of every state, with the estimates shown below the curve.", "", "![trajectories](reward_trajectories.png)", ""]
-        except Exception as e:  # the report must not die on an optional figure
+            lines += [
+                "## Intermediate reward trajectories (Stepwise Fig. 1 analogue)",
+                "",
+                f"Two samples of one prompt (shared x_T) from the final `{arm.name}` checkpoint (seed "
+                f"{study.seeds[0]}): ρ_j of the x̂0 estimate of every state, with the estimates shown below "
+                "the curve.",
+                "",
+                "![trajectories](reward_trajectories.png)",
+                "",
+            ]
+        except Exception as e:  # noqa: BLE001  (the report must not die on an optional figure)
             lines += [f"(Fig. 1 analogue not drawn: {e})", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
@@ -306,8 +396,18 @@ def reward_trajectory_figure(run: Path, png: Path, prompt_index: int = 0, group:
     gen = torch.Generator().manual_seed(seed)
     grid = time_grid(cfg.sampler.num_steps, cfg.sampler.shift, cfg.sampler.grid)
     init = make_initial_noise(group, tuple(model.latent_shape), gids, True, gen)
-    traj = rollout(model, prompts, meta, gids, timesteps=grid, sampler=sampler_params(cfg), guidance_scale=cfg.sampler.guidance_scale,
-                   generator=gen, init_noise=init, keep_velocities=True)
+    traj = rollout(
+        model,
+        prompts,
+        meta,
+        gids,
+        timesteps=grid,
+        sampler=sampler_params(cfg),
+        guidance_scale=cfg.sampler.guidance_scale,
+        generator=gen,
+        init_noise=init,
+        keep_velocities=True,
+    )
     cond = model.encode_prompts(prompts)
     est = trajectory_estimates(model, traj, cond, None, 1.0, cfg.estimate.substeps, 64, True)
     T = traj.num_steps
@@ -324,7 +424,14 @@ def reward_trajectory_figure(run: Path, png: Path, prompt_index: int = 0, group:
     ax.legend(fontsize=7)
     for i in range(group):
         for j in range(T + 1):
-            a = fig.add_axes([0.06 + 0.92 * j / (T + 1), (group - 1 - i) * 1.1 / (2.5 + 1.1 * group) + 0.01, 0.9 / (T + 1), 1.0 / (2.5 + 1.1 * group)])
+            a = fig.add_axes(
+                [
+                    0.06 + 0.92 * j / (T + 1),
+                    (group - 1 - i) * 1.1 / (2.5 + 1.1 * group) + 0.01,
+                    0.9 / (T + 1),
+                    1.0 / (2.5 + 1.1 * group),
+                ]
+            )
             a.imshow(u8[i, j], interpolation="nearest")
             a.axis("off")
     fig.savefig(png, dpi=90)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -106,7 +106,9 @@ def final_mean_ci(values: Sequence[float]) -> tuple[float, float]:
     return float(v.mean()), float(t_quantile(v.size - 1) * v.std(ddof=1) / math.sqrt(v.size))
 
 
-def paired_difference(arm: dict[int, float], baseline: dict[int, float]) -> tuple[float, float, list[int], list[float]]:
+def paired_difference(
+    arm: dict[int, float], baseline: dict[int, float]
+) -> tuple[float, float, list[int], list[float]]:
     """Mean and 95% half-width (Student t) of arm − baseline over the seeds both have.
 
     Runs of the same seed share the prompt order, the initial noise and the evaluation noise, so the per-seed

@@ -30,7 +30,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 STUDY_DIR = Path(__file__).resolve().parent.parent / "studies"
 
@@ -48,16 +47,26 @@ class Study:
     runs: list[StudyRun] = field(default_factory=list, metadata={"help": "The arms: name, preset, overrides."})
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "Seeds run for every arm."})
     iterations: int = field(default=40, metadata={"help": "Shared iteration budget of every run."})
-    eval_every: int = field(default=10, metadata={"help": "Periodic evaluation interval (iterations) on eval_subset prompts."})
-    eval_subset: int = field(default=96, metadata={"help": "Tag-balanced held-out prompts of the periodic evaluations."})
+    eval_every: int = field(default=10, metadata={"help": "Periodic evaluation interval (iterations) on eval_subset "
+                                                          "prompts."})
+    eval_subset: int = field(
+        default=96, metadata={"help": "Tag-balanced held-out prompts of the periodic evaluations."}
+    )
     overrides: list[str] = field(default_factory=list, metadata={"help": "key=value overrides applied to every arm."})
-    baseline: Optional[str] = field(default=None, metadata={"help": "Arm the ratios refer to; null = the first arm."})
+    baseline: str | None = field(default=None, metadata={"help": "Arm the ratios refer to; null = the first arm."})
     targets: dict[str, list[float]] = field(
         default_factory=lambda: {"eval_strict": [], "eval_reward": []},
-        metadata={"help": "Target improvements over the initial model (iteration-0 evaluation) per curve, for the time-to-target table."},
+        metadata={
+            "help": "Target improvements over the initial model (iteration-0 evaluation) per curve, for the "
+            "time-to-target table."
+        },
     )
-    description: str = field(default="", metadata={"help": "What the study tests (which claim of which paper) and its CPU budget."})
-    figure_run: Optional[str] = field(default=None, metadata={"help": "Arm whose final checkpoint draws the Fig. 1 analogue (a stepwise-type arm)."})
+    description: str = field(
+        default="", metadata={"help": "What the study tests (which claim of which paper) and its CPU budget."}
+    )
+    figure_run: str | None = field(
+        default=None, metadata={"help": "Arm whose final checkpoint draws the Fig. 1 analogue (a stepwise-type arm)."}
+    )
 
     def __post_init__(self):
         names = [r.name for r in self.runs]
@@ -76,7 +85,9 @@ def load_study(path_or_name: str) -> Study:
     return load_config(Study, str(p), preset_dirs=[STUDY_DIR])
 
 
-def study_from_presets(presets: list[str], seeds: list[int], iterations: int, eval_every: int, overrides: list[str]) -> Study:
+def study_from_presets(
+    presets: list[str], seeds: list[int], iterations: int, eval_every: int, overrides: list[str]
+) -> Study:
     return Study(
         name="compare " + " vs ".join(presets),
         runs=[StudyRun(name=Path(p).stem, preset=p) for p in presets],
@@ -93,11 +104,21 @@ def run_dir(out: Path, run: StudyRun, seed: int) -> Path:
 
 def train_command(study: Study, run: StudyRun, seed: int, out: Path, threads: int) -> list[str]:
     return [
-        sys.executable, "-m", "flowcredit.cli.main", "train", run.preset,
-        *study.overrides, *run.overrides,
-        f"run.seed={seed}", f"run.iterations={study.iterations}", f"run.eval_every={study.eval_every}",
-        f"run.eval_subset={study.eval_subset}", "run.max_minutes=0", f"run.threads={threads}",
-        f"run.out_dir={run_dir(out, run, seed)}", f"run.eval_baseline_cache={out / 'eval_base_cache'}",
+        sys.executable,
+        "-m",
+        "flowcredit.cli.main",
+        "train",
+        run.preset,
+        *study.overrides,
+        *run.overrides,
+        f"run.seed={seed}",
+        f"run.iterations={study.iterations}",
+        f"run.eval_every={study.eval_every}",
+        f"run.eval_subset={study.eval_subset}",
+        "run.max_minutes=0",
+        f"run.threads={threads}",
+        f"run.out_dir={run_dir(out, run, seed)}",
+        f"run.eval_baseline_cache={out / 'eval_base_cache'}",
     ]
 
 
@@ -133,7 +154,7 @@ def find_reusable(cfg, pools: list[Path], exclude: Path | None = None) -> Path |
                 continue
             try:
                 other = load_config(TrainConfig, str(c))
-            except Exception:  # a config of another schema version: not the same run
+            except (ValueError, OSError):  # ConfigError: a config of another schema version, not the same run
                 continue
             if _identity(other) == want:
                 return d
@@ -166,13 +187,14 @@ def reused_from(d: Path) -> str | None:
 
 
 def git_commit() -> str:
-    """HEAD of the working tree's repository, with '+dirty' when tracked files differ from it; 'unknown' outside git."""
+    """HEAD of the working tree's repository, '+dirty' when tracked files differ from it; 'unknown' outside git."""
     try:
         head = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-        dirty = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"], text=True,
-                                        stderr=subprocess.DEVNULL).strip()
+        dirty = subprocess.check_output(
+            ["git", "status", "--porcelain", "--untracked-files=no"], text=True, stderr=subprocess.DEVNULL
+        ).strip()
         return head + ("+dirty" if dirty else "")
-    except Exception:
+    except (OSError, subprocess.CalledProcessError):  # no git, or not a repository
         return "unknown"
 
 
@@ -192,8 +214,9 @@ def run_commits(d: Path) -> list[str]:
     return [r["git_commit"] for r in recs if "git_commit" in r]
 
 
-def execute(study: Study, out: Path, parallel: int = 1, threads: int = 0, log=print,
-            reuse: list[Path] | None = None) -> list[tuple[str, int]]:
+def execute(
+    study: Study, out: Path, parallel: int = 1, threads: int = 0, log=print, reuse: list[Path] | None = None
+) -> list[tuple[str, int]]:
     """Run every (arm, seed) not finished yet; `parallel` subprocesses at a time. Returns (run, exit code) list.
     With `reuse` folders, a not-yet-started run identical to a finished one there is copied (exit code 0)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -213,7 +236,9 @@ def execute(study: Study, out: Path, parallel: int = 1, threads: int = 0, log=pr
                 todo.remove((r, s))
                 results.append((f"{r.name}/seed{s}", 0))
                 log(f"reused {r.name} seed {s} from {src} (identical resolved config)")
-    log(f"study '{study.name}': {done} runs finished, {len(results)} reused, {len(todo)} to run ({parallel} at a time)")
+    log(
+        f"study '{study.name}': {done} runs finished, {len(results)} reused, {len(todo)} to run ({parallel} at a time)"
+    )
     running: list[tuple[subprocess.Popen, str, Path]] = []
     while todo or running:
         while todo and len(running) < parallel:
@@ -231,5 +256,8 @@ def execute(study: Study, out: Path, parallel: int = 1, threads: int = 0, log=pr
             if proc.poll() is not None:
                 running.remove(item)
                 results.append((label, proc.returncode))
-                log(f"finished {label} (exit {proc.returncode})" + ("" if proc.returncode == 0 else f"; see {d / 'train.log'}"))
+                log(
+                    f"finished {label} (exit {proc.returncode})"
+                    + ("" if proc.returncode == 0 else f"; see {d / 'train.log'}")
+                )
     return results

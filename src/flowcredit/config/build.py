@@ -214,8 +214,8 @@ class _Builder:
                 fixes.append(f"{sub}={unless[0]} with {key}={given}")
             fix = f"use {', or '.join(fixes)}" if fixes else f"remove {key} (it follows {sub})"
             raise ConfigError(
-                f"{key} = {given!r}{f' ({src_given})' if src_given else ''} contradicts {sub} = {value!r}"
-                f"{f' ({src_value})' if src_value else ''}, which sets {key}; {fix}",
+                f"{key} = {given!r}{f' ({src_given})' if src_given else ''} contradicts {sub} = "
+                f"{value!r}{f' ({src_value})' if src_value else ''}, which sets {key}; {fix}",
                 key=key,
                 source=src_given,
             )
@@ -233,7 +233,8 @@ class _Builder:
                 hint = f"did you mean '{close[0]}'? " if close else ""
                 tail = "" if close else "; remove it or move it to the section it belongs to"
                 valid = f"valid keys in {section}: {', '.join(fields) or '(none)'}{tail}"
-                raise self.error(_join(path, key), lambda k, at: f"unknown key '{k}'{at}; {hint}{valid}")
+                fix = f"{hint}{valid}"
+                raise self.error(_join(path, key), lambda k, at, fix=fix: f"unknown key '{k}'{at}; {fix}")
 
         data = self.apply_links(cls, data, path)
         kwargs = {}
@@ -247,8 +248,8 @@ class _Builder:
             elif not _has_default(f):
                 source = _source_of(self.sources, path)
                 raise ConfigError(
-                    f"missing required key '{sub}' (type {_type_name(hints[name])}) in {section}{_at(source)};"
-                    f" set it in the YAML or with the override {sub}=VALUE",
+                    f"missing required key '{sub}' (type {_type_name(hints[name])}) in {section}{_at(source)}; set it "
+                    f"in the YAML or with the override {sub}=VALUE",
                     key=sub,
                     source=source,
                 )

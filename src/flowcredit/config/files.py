@@ -45,8 +45,8 @@ def _check_duplicate_keys(node: yaml.Node, shown: str) -> None:
                 ident = (key_node.tag, key_node.value)
                 if ident in first:
                     raise ConfigError(
-                        f"duplicate key '{sub}' at {shown}:{line} (first set at line {first[ident]});"
-                        " keep only one of them",
+                        f"duplicate key '{sub}' at {shown}:{line} (first set at line {first[ident]}); keep only one "
+                        "of them",
                         key=sub,
                         source=f"{shown}:{line}",
                     )
@@ -75,8 +75,8 @@ def _read_yaml_file(path: Path) -> tuple[Any, dict[str, str]]:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         where = f"{shown}:{mark.line + 1}" if mark is not None else shown
         raise ConfigError(
-            f"YAML syntax error at {where}: {_yaml_problem(e)}; fix the syntax there (indentation, ':' after"
-            " keys, matching quotes and brackets)",
+            f"YAML syntax error at {where}: {_yaml_problem(e)}; fix the syntax there (indentation, ':' after keys, "
+            "matching quotes and brackets)",
             source=where,
         ) from None
 
@@ -86,9 +86,9 @@ def _read_yaml_file(path: Path) -> tuple[Any, dict[str, str]]:
     if not isinstance(node, yaml.MappingNode):
         where = f"{shown}:{node.start_mark.line + 1}"
         raise ConfigError(
-            f"the top level of a config file must be a mapping (key: value), got a"
-            f" {'list' if isinstance(node, yaml.SequenceNode) else 'single value'} at {where};"
-            " write the config as keys and values",
+            "the top level of a config file must be a mapping (key: value), got a "
+            f"{'list' if isinstance(node, yaml.SequenceNode) else 'single value'} at {where}; write the config as "
+            "keys and values",
             source=where,
         )
 
@@ -170,8 +170,8 @@ def _resolve_base(ref: Any, file: Path, preset_dirs: Sequence, where: str) -> Pa
             return preset
         raise _unknown_preset(ref, list(preset_dirs), f" at {where}")
     raise ConfigError(
-        f"base file '{ref}' at {where} not found (paths are relative to the file that names them);"
-        " fix the path or use a preset name",
+        f"base file '{ref}' at {where} not found (paths are relative to the file that names them); fix the path or "
+        "use a preset name",
         key=BASE_KEY,
         source=where,
     )

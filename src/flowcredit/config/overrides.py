@@ -38,8 +38,8 @@ def _apply_overrides(data: Mapping, overrides: Iterable[str]) -> tuple[dict, dic
     for text in overrides:
         if not isinstance(text, str) or "=" not in text:
             raise ConfigError(
-                f"override {text!r} is not of the form key=value; write e.g. sampler.noise_level=0.5"
-                " (dotted key, '=', a YAML value such as 1e-4, true, null or [1,2])",
+                f"override {text!r} is not of the form key=value; write e.g. sampler.noise_level=0.5 (dotted key, "
+                "'=', a YAML value such as 1e-4, true, null or [1,2])",
                 source=f"override {text!r}",
             )
         key, raw = text.split("=", 1)
@@ -67,8 +67,8 @@ def _apply_overrides(data: Mapping, overrides: Iterable[str]) -> tuple[dict, dic
                     )
                 if not 0 <= part < len(node):
                     raise ConfigError(
-                        f"{where}: '{path}' has {len(node)} items, so item {part} does not exist;"
-                        f" set the whole list instead, e.g. {path.replace('[', '.').replace(']', '')}=[...]",
+                        f"{where}: '{path}' has {len(node)} items, so item {part} does not exist; set the whole list "
+                        f"instead, e.g. {path.replace('[', '.').replace(']', '')}=[...]",
                         key=path,
                         source=where,
                     )
@@ -76,8 +76,8 @@ def _apply_overrides(data: Mapping, overrides: Iterable[str]) -> tuple[dict, dic
                 part = str(part)
             else:
                 raise ConfigError(
-                    f"{where}: '{path}' is {_describe_value(node)}, not a section, so it has no key '{part}';"
-                    f" override '{path}' itself or fix the key",
+                    f"{where}: '{path}' is {_describe_value(node)}, not a section, so it has no key '{part}'; "
+                    f"override '{path}' itself or fix the key",
                     key=path,
                     source=where,
                 )

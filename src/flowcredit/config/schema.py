@@ -10,7 +10,7 @@ they state the arithmetic.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from .credit import CreditCfg
 
@@ -27,23 +27,34 @@ def _h(default, text: str, *, ge=None, gt=None, le=None, lt=None, **kw):
 
 @dataclass
 class ModelCfg:
-    name: Literal["tiny", "sd3", "flux"] = _h("tiny", "Model family: the built-in tiny shapes model, SD3/SD3.5 or FLUX.1 (diffusers).")
-    path: Optional[str] = _h(None, "Weights: a .safetensors file (tiny) or a local diffusers folder; null = the shipped tiny checkpoint.")
+    name: Literal["tiny", "sd3", "flux"] = _h("tiny", "Model family: the built-in tiny shapes model, SD3/SD3.5 or "
+                                                      "FLUX.1 (diffusers).")
+    path: str | None = _h(None, "Weights: a .safetensors file (tiny) or a local diffusers folder; null = the shipped "
+                                "tiny checkpoint.")
     precision: Literal["auto", "fp32", "bf16"] = _h(
-        "auto", "Autocast dtype of the network forward/backward; step math is always fp32. auto = bf16 where the hardware runs it fast (GPU with bf16, CPU with AVX-512/AMX), else fp32 (models/precision.py)."
+        "auto", "Autocast dtype of the network forward/backward; step math is always fp32. auto = bf16 where the "
+                "hardware runs it fast (GPU with bf16, CPU with AVX-512/AMX), else fp32 (models/precision.py)."
     )
     trainable: Literal["all", "lora", "blocks"] = _h(
-        "all", "What RL trains: all weights (full fine-tune), LoRA adapters (peft; base weights frozen, π_ref = adapter disabled), or the transformer blocks only (tiny: text encoder and embeddings frozen)."
+        "all", "What RL trains: all weights (full fine-tune), LoRA adapters (peft; base weights frozen, π_ref = "
+               "adapter disabled), or the transformer blocks only (tiny: text encoder and embeddings frozen)."
     )
     lora_rank: int = _h(32, "LoRA rank r (ALGORITHMS.md A9: r32).", ge=1)
     lora_alpha: float = _h(64.0, "LoRA alpha (A9: α64).", gt=0)
-    lora_targets: Optional[list[str]] = _h(
-        None, "Module names LoRA wraps; null = the family default (SD3: flow_grpo's attention projections; tiny: the blocks' qkv, proj, mlp.0, mlp.2).", 
+    lora_targets: list[str] | None = _h(
+        None, "Module names LoRA wraps; null = the family default (SD3: flow_grpo's attention projections; tiny: the "
+              "blocks' qkv, proj, mlp.0, mlp.2).",
     )
-    gradient_checkpointing: bool = _h(False, "Recompute activations in the backward pass to save memory (real models).")
-    resolution: Optional[int] = _h(None, "Image side in pixels for SD3/FLUX (papers: 512); null = the transformer's native size.", ge=1)
-    max_sequence_length: Optional[int] = _h(None, "T5 prompt tokens for SD3/FLUX; null = the pipeline's default.", ge=1)
-    embedded_guidance: float = _h(3.5, "FLUX.1-dev distilled guidance embedding (not CFG; CFG is sampler.guidance_scale).", ge=0)
+    gradient_checkpointing: bool = _h(
+        False, "Recompute activations in the backward pass to save memory (real models)."
+    )
+    resolution: int | None = _h(
+        None, "Image side in pixels for SD3/FLUX (papers: 512); null = the transformer's native size.", ge=1
+    )
+    max_sequence_length: int | None = _h(None, "T5 prompt tokens for SD3/FLUX; null = the pipeline's default.", ge=1)
+    embedded_guidance: float = _h(
+        3.5, "FLUX.1-dev distilled guidance embedding (not CFG; CFG is sampler.guidance_scale).", ge=0
+    )
 
     def __post_init__(self):
         if self.lora_targets is None:
@@ -52,37 +63,77 @@ class ModelCfg:
 
 @dataclass
 class SamplerCfg:
-    name: Literal["flow_sde", "ddim_sde", "cps", "ode"] = _h("flow_sde", "Rollout SDE (ALGORITHMS.md §2): Flow-GRPO's flow_sde, Stepwise's ddim_sde, Flow-CPS, or ode.")
-    noise_level: Optional[float] = _h(None, "a for flow_sde/cps (Flow-GRPO a=0.7), η for ddim_sde (0.9); null = the sampler's default.", ge=0)
+    name: Literal["flow_sde", "ddim_sde", "cps", "ode"] = _h(
+        "flow_sde", "Rollout SDE (ALGORITHMS.md §2): Flow-GRPO's flow_sde, Stepwise's ddim_sde, Flow-CPS, or ode."
+    )
+    noise_level: float | None = _h(
+        None, "a for flow_sde/cps (Flow-GRPO a=0.7), η for ddim_sde (0.9); null = the sampler's default.", ge=0
+    )
     num_steps: int = _h(10, "Rollout steps T (Flow-GRPO: 10 for training).", ge=1)
     shift: float = _h(3.0, "SD3 timestep shift of the time grid.", gt=0)
-    grid: Literal["uniform", "diffusers"] = _h("uniform", "Time grid: shifted linspace(1, 0) or diffusers' FlowMatchEulerDiscreteScheduler grid.")
-    reduce: Literal["mean", "sum"] = _h("mean", "Log-prob reduction over latent dims (Flow-GRPO: mean, so clip_range 1e-4 means what it means there).")
-    ddim_sigma: Literal["eta_s_sqrt", "eta_s"] = _h("eta_s_sqrt", "ddim_sde σ schedule: η(t−Δt)√(1−t) (Stepwise §5.5) or η(t−Δt) (= Flow-CPS).")
-    ddim_coef: Literal["ddim", "mm"] = _h("ddim", "ddim_sde noise coefficient: sqrt(s²−σ²) or the marginal-matching s − σ²/(2s).")
+    grid: Literal["uniform", "diffusers"] = _h(
+        "uniform", "Time grid: shifted linspace(1, 0) or diffusers' FlowMatchEulerDiscreteScheduler grid."
+    )
+    reduce: Literal["mean", "sum"] = _h(
+        "mean", "Log-prob reduction over latent dims (Flow-GRPO: mean, so clip_range 1e-4 means what it means there)."
+    )
+    ddim_sigma: Literal["eta_s_sqrt", "eta_s"] = _h(
+        "eta_s_sqrt", "ddim_sde σ schedule: η(t−Δt)√(1−t) (Stepwise §5.5) or η(t−Δt) (= Flow-CPS)."
+    )
+    ddim_coef: Literal["ddim", "mm"] = _h(
+        "ddim", "ddim_sde noise coefficient: sqrt(s²−σ²) or the marginal-matching s − σ²/(2s)."
+    )
     guidance_scale: float = _h(1.0, "CFG scale used in rollout AND loss (one policy velocity function).", ge=0)
-    timestep_fraction: float = _h(0.99, "Train the first int(T·fraction) steps (Flow-GRPO 0.99 → 9 of 10). Steps with σ=0 are never trained.", gt=0, le=1)
-    ode_untrained: bool = _h(True, "Sample the steps that are never trained (j ≥ int(T·timestep_fraction)) with the ODE, so no exploration noise stays in the final image; false = Flow-GRPO's code (SDE on every step).")
-    train_steps_per_sample: int = _h(0, "If > 0, train only this many randomly chosen trainable steps per sample each iteration (a speed lever); 0 = all.", ge=0)
-    shared_noise: Optional[bool] = _h(None, "Share x_T within a group; null = the method's default (stepwise/vgpo: yes, flow_grpo: no).")
+    timestep_fraction: float = _h(
+        0.99,
+        "Train the first int(T·fraction) steps (Flow-GRPO 0.99 → 9 of 10). Steps with σ=0 are never trained.",
+        gt=0,
+        le=1,
+    )
+    ode_untrained: bool = _h(
+        True,
+        "Sample the steps that are never trained (j ≥ int(T·timestep_fraction)) with the ODE, so no exploration noise "
+        "stays in the final image; false = Flow-GRPO's code (SDE on every step).",
+    )
+    train_steps_per_sample: int = _h(
+        0,
+        "If > 0, train only this many randomly chosen trainable steps per sample each iteration (a speed lever); 0 = "
+        "all.",
+        ge=0,
+    )
+    shared_noise: bool | None = _h(
+        None, "Share x_T within a group; null = the method's default (stepwise/vgpo: yes, flow_grpo: no)."
+    )
 
     def __post_init__(self):
         if int(self.num_steps * self.timestep_fraction) < 1:
             raise ValueError(
-                f"int(sampler.num_steps·sampler.timestep_fraction) = int({self.num_steps}·{self.timestep_fraction}) = 0 trainable steps; "
-                "raise sampler.num_steps or sampler.timestep_fraction"
+                f"int(sampler.num_steps·sampler.timestep_fraction) = int({self.num_steps}·{self.timestep_fraction}) = "
+                "0 trainable steps; raise sampler.num_steps or sampler.timestep_fraction"
             )
 
 
 @dataclass
 class DataCfg:
-    train_prompts: str = _h("shapes:train", "Training prompts: shapes:train, or a .jsonl (GenEval schema) / .txt prompt file.")
+    train_prompts: str = _h(
+        "shapes:train", "Training prompts: shapes:train, or a .jsonl (GenEval schema) / .txt prompt file."
+    )
     prompts_per_iter: int = _h(8, "Distinct prompts per iteration (groups).", ge=1)
     group_size: int = _h(8, "Samples per prompt G (GRPO group; group-relative advantages need 2).", ge=2)
-    batch_size: Optional[int] = _h(None, "Samples per iteration B; if set it must be divisible by group_size and sets prompts_per_iter = B / G.", ge=1)
-    balance_tags: bool = _h(True, "For GenEval-schema prompts: draw the tag uniformly, then a prompt of that tag (Flow-GRPO mixes tasks by weight).")
-    tag_weights: Optional[dict[str, float]] = _h(
-        None, "With balance_tags: relative weight of each tag when drawing it, e.g. {single_object: 0, position: 2}; tags not named keep weight 1, weight 0 drops a tag; null = uniform."
+    batch_size: int | None = _h(
+        None,
+        "Samples per iteration B; if set it must be divisible by group_size and sets prompts_per_iter = B / G.",
+        ge=1,
+    )
+    balance_tags: bool = _h(
+        True,
+        "For GenEval-schema prompts: draw the tag uniformly, then a prompt of that tag (Flow-GRPO mixes tasks by "
+        "weight).",
+    )
+    tag_weights: dict[str, float] | None = _h(
+        None,
+        "With balance_tags: relative weight of each tag when drawing it, e.g. {single_object: 0, position: 2}; tags "
+        "not named keep weight 1, weight 0 drops a tag; null = uniform.",
     )
 
     def __post_init__(self):
@@ -90,8 +141,9 @@ class DataCfg:
         if self.batch_size is not None:
             if self.batch_size % self.group_size != 0:
                 raise ValueError(
-                    f"data.batch_size={self.batch_size} is not divisible by data.group_size={self.group_size}; "
-                    f"use a multiple of {self.group_size} (e.g. {self.group_size * max(1, round(self.batch_size / self.group_size))})"
+                    f"data.batch_size={self.batch_size} is not divisible by data.group_size={self.group_size}; use a "
+                    f"multiple of {self.group_size} (e.g. "
+                    f"{self.group_size * max(1, round(self.batch_size / self.group_size))})"
                 )
             self.prompts_per_iter = self.batch_size // self.group_size
         if self.tag_weights is not None:
@@ -99,24 +151,35 @@ class DataCfg:
             if bad:
                 raise ValueError(f"data.tag_weights: weights must be >= 0, got {bad}")
             if not self.balance_tags:
-                raise ValueError("data.tag_weights needs data.balance_tags=true (tags are drawn first, then a prompt of the tag)")
+                raise ValueError(
+                    "data.tag_weights needs data.balance_tags=true (tags are drawn first, then a prompt of the tag)"
+                )
 
 
 @dataclass
 class RewardComponent:
     name: str = _h("shapes", "Registered reward name or 'module:Class'.")
     weight: float = _h(1.0, "Weight in the mix (any real number; a negative weight penalizes the reward).")
-    options: dict[str, Any] = field(default_factory=dict, metadata={"help": "Constructor options of this reward (e.g. a local model path)."})
-    label: Optional[str] = _h(None, "Name of this component in the logs; null = the reward name.")
+    options: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "Constructor options of this reward (e.g. a local model path)."}
+    )
+    label: str | None = _h(None, "Name of this component in the logs; null = the reward name.")
 
 
 @dataclass
 class RewardCfg:
     name: str = _h("shapes", "Registered reward (`flowcredit.rewards.registry`), or 'mix' to use `components`.")
-    options: dict[str, Any] = field(default_factory=dict, metadata={"help": "Constructor options of the reward (e.g. {model: /path/to/local/pickscore})."})
-    components: list[RewardComponent] = _h(None, "For name=mix: weighted rewards, e.g. [{name: shapes, weight: 0.8}, ...].")
+    options: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={"help": "Constructor options of the reward (e.g. {model: /path/to/local/pickscore})."},
+    )
+    components: list[RewardComponent] = _h(
+        None, "For name=mix: weighted rewards, e.g. [{name: shapes, weight: 0.8}, ...]."
+    )
     normalize: Literal["none", "batch", "group", "running"] = _h(
-        "none", "For mixes: z-normalize each component before the weighted sum (GDPO-style): over the batch, per prompt group, or with running statistics."
+        "none",
+        "For mixes: z-normalize each component before the weighted sum (GDPO-style): over the batch, per prompt "
+        "group, or with running statistics.",
     )
 
     def __post_init__(self):
@@ -128,17 +191,24 @@ class RewardCfg:
 class EstimateCfg:
     substeps: int = _h(5, "T′: Euler substeps of the x̂0 estimate of each state (Stepwise §1.3; 1 = Tweedie).", ge=1)
     chunk_size: int = _h(128, "States per batched model call when computing x̂0 estimates.", ge=1)
-    instant_substeps: int = _h(1, "VGPO instant reward: substeps of the post-action estimate (1 = one-step Tweedie, §5.2).", ge=1)
+    instant_substeps: int = _h(
+        1, "VGPO instant reward: substeps of the post-action estimate (1 = one-step Tweedie, §5.2).", ge=1
+    )
 
 
 @dataclass
 class ObjectiveCfg:
     name: str = _h(
-        "grpo", "Training objective (registry `flowcredit.objectives`): grpo = PPO-clip on SDE log-probs (Flow-GRPO), "
-        "nft = DiffusionNFT's forward-process loss, awm = advantage-weighted flow matching."
+        "grpo",
+        "Training objective (registry `flowcredit.objectives`): grpo = PPO-clip on SDE log-probs (Flow-GRPO), nft = "
+        "DiffusionNFT's forward-process loss, awm = advantage-weighted flow matching.",
     )
     options: dict[str, Any] = field(
-        default_factory=dict, metadata={"help": "Options of the chosen objective, checked against its own options dataclass (see docs/ALGORITHMS.md §9)."}
+        default_factory=dict,
+        metadata={
+            "help": "Options of the chosen objective, checked against its own options dataclass (see "
+            "docs/ALGORITHMS.md §9)."
+        },
     )
 
 
@@ -150,16 +220,28 @@ class OptimCfg:
     eps: float = _h(1e-8, "AdamW epsilon.", gt=0)
     grad_clip: float = _h(1.0, "Max gradient norm.", gt=0)
     clip_range: float = _h(1e-4, "PPO ratio clip ε (Flow-GRPO code 1e-4, with mean-reduced log-probs).", gt=0)
-    kl_beta: float = _h(0.0, "β of the KL to the reference model (Flow-GRPO: 0.04 GenEval); 0 skips the reference forward.", ge=0)
+    kl_beta: float = _h(
+        0.0, "β of the KL to the reference model (Flow-GRPO: 0.04 GenEval); 0 skips the reference forward.", ge=0
+    )
     inner_epochs: int = _h(1, "Passes over each rollout batch (PPO epochs).", ge=1)
-    updates_per_epoch: int = _h(1, "Optimizer steps per pass (the batch is split into this many gradient-accumulation chunks).", ge=1)
-    micro_batch: int = _h(64, "(sample, step) pairs per forward/backward; only changes memory, not the gradient.", ge=1)
-    ema_decay: float = _h(0.0, "EMA of trainable weights (0 = off); evaluation uses the EMA weights when on.", ge=0, lt=1)
+    updates_per_epoch: int = _h(
+        1, "Optimizer steps per pass (the batch is split into this many gradient-accumulation chunks).", ge=1
+    )
+    micro_batch: int = _h(
+        64, "(sample, step) pairs per forward/backward; only changes memory, not the gradient.", ge=1
+    )
+    ema_decay: float = _h(
+        0.0, "EMA of trainable weights (0 = off); evaluation uses the EMA weights when on.", ge=0, lt=1
+    )
     offload_optimizer: bool = _h(
-        False, "Keep AdamW's moments (and an fp32 master copy) in CPU memory and step there: the accelerator keeps only weights + grads (fp32: 8 of 16 bytes/param; docs/SCALING.md)."
+        False,
+        "Keep AdamW's moments (and an fp32 master copy) in CPU memory and step there: the accelerator keeps only "
+        "weights + grads (fp32: 8 of 16 bytes/param; docs/SCALING.md).",
     )
     offload_reference: bool = _h(
-        False, "Keep the frozen KL reference copy (kl_beta > 0, non-LoRA) in CPU memory; it visits the device once per update for one no-grad pass (docs/SCALING.md)."
+        False,
+        "Keep the frozen KL reference copy (kl_beta > 0, non-LoRA) in CPU memory; it visits the device once per "
+        "update for one no-grad pass (docs/SCALING.md).",
     )
 
     def __post_init__(self):
@@ -171,48 +253,79 @@ class OptimCfg:
 
 @dataclass
 class RunCfg:
-    out_dir: Optional[str] = _h(None, "Run folder; null = runs/<preset>-<timestamp>.")
+    out_dir: str | None = _h(None, "Run folder; null = runs/<preset>-<timestamp>.")
     seed: int = _h(0, "Global seed (prompt order, noise, everything).", ge=0)
     iterations: int = _h(100, "Training iterations (rollout → reward → credit → update).", ge=0)
     max_minutes: float = _h(0.0, "Stop training after this many minutes (0 = no limit); evaluation still runs.", ge=0)
     budget_minutes: float = _h(
-        0.0, "Wall-clock budget of the whole job, final evaluation included (0 = none): training stops before the next iteration would leave less time than the final evaluation is predicted to take (from the rollout's measured forward rate).", ge=0
+        0.0,
+        "Wall-clock budget of the whole job, final evaluation included (0 = none): training stops before the next "
+        "iteration would leave less time than the final evaluation is predicted to take (from the rollout's measured "
+        "forward rate).",
+        ge=0,
     )
     threads: int = _h(0, "torch threads (0 = leave torch's default).", ge=0)
     device: str = _h("cpu", "Device for the tiny model (real models: accelerate decides).")
     log_every: int = _h(1, "Write metrics every N iterations.", ge=1)
-    loggers: Optional[list[str]] = _h(
-        None, "Where metrics go besides metrics.jsonl: tensorboard, wandb (optional extra; WANDB_MODE=offline works without network); null = [tensorboard]."
+    loggers: list[str] | None = _h(
+        None,
+        "Where metrics go besides metrics.jsonl: tensorboard, wandb (optional extra; WANDB_MODE=offline works without "
+        "network); null = [tensorboard].",
     )
     grid_every: int = _h(25, "Save a sample grid every N iterations (0 = never).", ge=0)
     checkpoint_every: int = _h(50, "Checkpoint every N iterations and at the end (0 = only at the end).", ge=0)
-    eval_at_end: bool = _h(True, "Evaluate on eval_prompts at the end (same code path as `flowcredit eval`) → eval.json.")
-    eval_baseline: bool = _h(True, "Also evaluate the initial model with the same noise, so eval.json holds the improvement.")
-    eval_baseline_cache: Optional[str] = _h(
-        None, "Folder caching the initial model's final evaluation under a hash of its weights, the prompts, noise seed, sampler and reward, so runs that share them evaluate the initial model once (`flowcredit compare` sets it per study); null = off."
+    eval_at_end: bool = _h(
+        True, "Evaluate on eval_prompts at the end (same code path as `flowcredit eval`) → eval.json."
+    )
+    eval_baseline: bool = _h(
+        True, "Also evaluate the initial model with the same noise, so eval.json holds the improvement."
+    )
+    eval_baseline_cache: str | None = _h(
+        None,
+        "Folder caching the initial model's final evaluation under a hash of its weights, the prompts, noise seed, "
+        "sampler and reward, so runs that share them evaluate the initial model once (`flowcredit compare` sets it "
+        "per study); null = off.",
     )
     eval_prompts: str = _h("shapes:test", "Held-out prompts for the final evaluation.")
     eval_steps: int = _h(40, "ODE steps of the evaluation sampler.", ge=1)
     eval_guidance: float = _h(1.0, "CFG scale of the evaluation.", ge=0)
     eval_every: int = _h(0, "Also evaluate every N iterations on eval_subset prompts (0 = never).", ge=0)
-    eval_subset: int = _h(96, "Prompts of the periodic evaluation (a fixed, tag-balanced subset of eval_prompts).", ge=1)
-    gold_reward: Optional[str] = _h(None, "Hacking guard: a held-out 'gold' reward the policy is NOT trained on, scored on gold_prompts every gold_every iterations; null = off.")
+    eval_subset: int = _h(
+        96, "Prompts of the periodic evaluation (a fixed, tag-balanced subset of eval_prompts).", ge=1
+    )
+    gold_reward: str | None = _h(
+        None,
+        "Hacking guard: a held-out 'gold' reward the policy is NOT trained on, scored on gold_prompts every "
+        "gold_every iterations; null = off.",
+    )
     gold_prompts: str = _h("shapes:test_unique", "Fixed prompts of the gold reward.")
     gold_every: int = _h(10, "Gold-reward interval in iterations (0 = never due).", ge=0)
     gold_limit: int = _h(32, "Number of gold prompts used.", ge=1)
-    alarm_window: int = _h(5, "Hacking alarm: fires when over the last N gold evaluations the training reward rose while gold (or diversity) fell.", ge=2)
+    alarm_window: int = _h(
+        5,
+        "Hacking alarm: fires when over the last N gold evaluations the training reward rose while gold (or "
+        "diversity) fell.",
+        ge=2,
+    )
 
 
 @dataclass
 class DistCfg:
-    enabled: Optional[bool] = _h(
-        None, "Multi-process training through accelerate; null = on when launched with WORLD_SIZE > 1 (torchrun / accelerate launch)."
+    enabled: bool | None = _h(
+        None,
+        "Multi-process training through accelerate; null = on when launched with WORLD_SIZE > 1 (torchrun / "
+        "accelerate launch).",
     )
     split_groups: bool = _h(
-        False, "Allow a prompt group to span two processes when data.prompts_per_iter is not a multiple of the process count (statistics are global either way)."
+        False,
+        "Allow a prompt group to span two processes when data.prompts_per_iter is not a multiple of the process count "
+        "(statistics are global either way).",
     )
     fsdp: bool = _h(
-        False, "Full fine-tunes on N > 1 processes: shard the trainable network's weights, gradients, AdamW moments and EMA over the processes with PyTorch FSDP2 (per transformer block, then the whole network); same arithmetic as without. One process: ignored with a warning. Not with LoRA (docs/SCALING.md)."
+        False,
+        "Full fine-tunes on N > 1 processes: shard the trainable network's weights, gradients, AdamW moments and EMA "
+        "over the processes with PyTorch FSDP2 (per transformer block, then the whole network); same arithmetic as "
+        "without. One process: ignored with a warning. Not with LoRA (docs/SCALING.md).",
     )
 
     def check(self, model: ModelCfg, optim: OptimCfg) -> None:
@@ -221,8 +334,8 @@ class DistCfg:
             return
         if model.trainable == "lora":
             raise ValueError(
-                "dist.fsdp=true does not support model.trainable=lora; LoRA adapters are small, so use plain data parallel "
-                "(dist.fsdp=false), or model.trainable=all for a sharded full fine-tune"
+                "dist.fsdp=true does not support model.trainable=lora; LoRA adapters are small, so use plain data "
+                "parallel (dist.fsdp=false), or model.trainable=all for a sharded full fine-tune"
             )
         if optim.offload_optimizer:
             raise ValueError(
@@ -233,11 +346,18 @@ class DistCfg:
 @dataclass
 class FaultsCfg:
     max_nonfinite: int = _h(
-        3, "Stop (error, exit non-zero, last checkpoint intact) after this many CONSECUTIVE updates skipped for NaN/Inf rewards, advantages, loss or grads; 0 = never.", ge=0
+        3,
+        "Stop (error, exit non-zero, last checkpoint intact) after this many CONSECUTIVE updates skipped for NaN/Inf "
+        "rewards, advantages, loss or grads; 0 = never.",
+        ge=0,
     )
-    reward_retries: int = _h(2, "Retries of a reward call that raises or times out, before the run stops with an error.", ge=0)
+    reward_retries: int = _h(
+        2, "Retries of a reward call that raises or times out, before the run stops with an error.", ge=0
+    )
     reward_backoff: float = _h(2.0, "Seconds before the first reward retry; doubled after each further failure.", ge=0)
-    reward_timeout: float = _h(0.0, "Seconds one reward call may take before it counts as failed (0 = no limit).", ge=0)
+    reward_timeout: float = _h(
+        0.0, "Seconds one reward call may take before it counts as failed (0 = no limit).", ge=0
+    )
     handle_signals: bool = _h(True, "On SIGTERM/SIGINT: finish the iteration, write a checkpoint and exit 0.")
 
 
@@ -252,17 +372,36 @@ class TrainConfig:
             "unless": ("custom",),
         },
     )
-    model: ModelCfg = field(default_factory=ModelCfg, metadata={"help": "The policy model (tiny built-in, SD3, FLUX) and what is trained."})
-    sampler: SamplerCfg = field(default_factory=SamplerCfg, metadata={"help": "Rollout SDE, time grid and which steps are trained."})
+    model: ModelCfg = field(
+        default_factory=ModelCfg, metadata={"help": "The policy model (tiny built-in, SD3, FLUX) and what is trained."}
+    )
+    sampler: SamplerCfg = field(
+        default_factory=SamplerCfg, metadata={"help": "Rollout SDE, time grid and which steps are trained."}
+    )
     data: DataCfg = field(default_factory=DataCfg, metadata={"help": "Training prompts and group layout."})
     reward: RewardCfg = field(default_factory=RewardCfg, metadata={"help": "The reward (or weighted mix of rewards)."})
-    credit: CreditCfg = field(default_factory=CreditCfg, metadata={"help": "Credit assignment: the advantage estimator and its knobs."})
-    objective: ObjectiveCfg = field(default_factory=ObjectiveCfg, metadata={"help": "The loss the advantages train: grpo, nft or awm."})
-    estimate: EstimateCfg = field(default_factory=EstimateCfg, metadata={"help": "Intermediate x̂0 estimates for step-level rewards (Stepwise, VGPO)."})
-    optim: OptimCfg = field(default_factory=OptimCfg, metadata={"help": "Optimizer, PPO clip, KL and update schedule."})
-    run: RunCfg = field(default_factory=RunCfg, metadata={"help": "Run folder, budget, logging, checkpoints and evaluation."})
-    dist: DistCfg = field(default_factory=DistCfg, metadata={"help": "Many processes through accelerate (docs/SCALING.md)."})
-    faults: FaultsCfg = field(default_factory=FaultsCfg, metadata={"help": "What the run survives: NaN/Inf, failing rewards, signals."})
+    credit: CreditCfg = field(
+        default_factory=CreditCfg, metadata={"help": "Credit assignment: the advantage estimator and its knobs."}
+    )
+    objective: ObjectiveCfg = field(
+        default_factory=ObjectiveCfg, metadata={"help": "The loss the advantages train: grpo, nft or awm."}
+    )
+    estimate: EstimateCfg = field(
+        default_factory=EstimateCfg,
+        metadata={"help": "Intermediate x̂0 estimates for step-level rewards (Stepwise, VGPO)."},
+    )
+    optim: OptimCfg = field(
+        default_factory=OptimCfg, metadata={"help": "Optimizer, PPO clip, KL and update schedule."}
+    )
+    run: RunCfg = field(
+        default_factory=RunCfg, metadata={"help": "Run folder, budget, logging, checkpoints and evaluation."}
+    )
+    dist: DistCfg = field(
+        default_factory=DistCfg, metadata={"help": "Many processes through accelerate (docs/SCALING.md)."}
+    )
+    faults: FaultsCfg = field(
+        default_factory=FaultsCfg, metadata={"help": "What the run survives: NaN/Inf, failing rewards, signals."}
+    )
 
     def __post_init__(self):
         # The method picks the credit estimator unless the user composes one by hand (method=custom). A loaded config

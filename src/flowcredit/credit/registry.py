@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -28,7 +28,9 @@ CREDIT: dict[str, str] = {
 _REGISTERED: dict[str, Callable[[CreditInput, CreditCfg], CreditOutput]] = {}
 
 
-def register_credit(name: str, fn: Callable[[CreditInput, CreditCfg], CreditOutput], requires: tuple[str, ...] = ()) -> None:
+def register_credit(
+    name: str, fn: Callable[[CreditInput, CreditCfg], CreditOutput], requires: tuple[str, ...] = ()
+) -> None:
     """Register estimator `fn` under `name` (then `credit.name=NAME`, with `method=custom`).
 
     Args:
@@ -65,8 +67,10 @@ def resolve(name: str) -> Callable[[CreditInput, CreditCfg], CreditOutput]:
     else:
         close = difflib.get_close_matches(name, names(), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"Unknown credit estimator {name!r}. Valid names: {', '.join(names())}; or give a "
-                         f"'package.module:function' path.{hint}")
+        raise ValueError(
+            f"Unknown credit estimator {name!r}. Valid names: {', '.join(names())}; or give a "
+            f"'package.module:function' path.{hint}"
+        )
     module_name, _, func_name = target.partition(":")
     if not module_name or not func_name:
         raise ValueError(f"Credit estimator path {target!r} must look like 'package.module:function'.")
@@ -102,26 +106,33 @@ def _check_input(cfg: CreditCfg, inp: CreditInput) -> None:
     """Shape and finiteness checks with messages that name the field."""
     b, t = inp.rewards.shape[0], inp.step_mask.shape[0]
     if inp.rewards.dim() != 1 or inp.group_ids.shape != (b,):
-        raise ValueError(f"CreditInput.rewards must be (B,) and group_ids (B,); got {tuple(inp.rewards.shape)} and "
-                         f"{tuple(inp.group_ids.shape)}.")
+        raise ValueError(
+            f"CreditInput.rewards must be (B,) and group_ids (B,); got {tuple(inp.rewards.shape)} and "
+            f"{tuple(inp.group_ids.shape)}."
+        )
     if inp.step_mask.dim() != 1 or inp.step_mask.dtype != torch.bool:
-        raise ValueError(f"CreditInput.step_mask must be a (T,) bool tensor; got {inp.step_mask.dtype} "
-                         f"{tuple(inp.step_mask.shape)}.")
+        raise ValueError(
+            f"CreditInput.step_mask must be a (T,) bool tensor; got {inp.step_mask.dtype} "
+            f"{tuple(inp.step_mask.shape)}."
+        )
     expected = {"rewards": (b,), "step_rewards": (b, t + 1), "instant_rewards": (b, t)}
     for key, shape in expected.items():
         value = getattr(inp, key)
         if value is None:
             continue
         if tuple(value.shape) != shape:
-            raise ValueError(f"CreditInput.{key} must have shape {shape} (B={b}, T={t} from step_mask); "
-                             f"got {tuple(value.shape)}.")
+            raise ValueError(
+                f"CreditInput.{key} must have shape {shape} (B={b}, T={t} from step_mask); got {tuple(value.shape)}."
+            )
         if not bool(torch.isfinite(value).all()):
             raise ValueError(f"CreditInput.{key} contains NaN or inf; fix the reward before assigning credit.")
     if needs_step_rewards(cfg) and inp.step_rewards is None:
         raise ValueError(f"Credit estimator {cfg.name!r} needs CreditInput.step_rewards (B, T+1) (§4.1).")
     if needs_instant_rewards(cfg) and inp.instant_rewards is None and inp.step_rewards is None:
-        raise ValueError(f"Credit estimator {cfg.name!r} with anchor={cfg.anchor!r} needs CreditInput."
-                         "instant_rewards (B, T) or step_rewards (B, T+1) (§5.2).")
+        raise ValueError(
+            f"Credit estimator {cfg.name!r} with anchor={cfg.anchor!r} needs CreditInput.instant_rewards (B, T) or "
+            "step_rewards (B, T+1) (§5.2)."
+        )
 
 
 def assign_credit(cfg: CreditCfg, inp: CreditInput) -> CreditOutput:
@@ -147,8 +158,10 @@ def assign_credit(cfg: CreditCfg, inp: CreditInput) -> CreditOutput:
     adv = out.advantages
     shape = (inp.batch_size, inp.num_steps)
     if tuple(adv.shape) != shape:
-        raise ValueError(f"Credit estimator {cfg.name!r} returned advantages of shape {tuple(adv.shape)}; "
-                         f"expected (B, T) = {shape}.")
+        raise ValueError(
+            f"Credit estimator {cfg.name!r} returned advantages of shape {tuple(adv.shape)}; expected (B, T) = "
+            f"{shape}."
+        )
     stats = dict(out.stats)
     if cfg.anchor == "adae":
         from flowcredit.credit.vgpo import apply_adae_anchor  # local: vgpo is only needed for the anchor
@@ -163,6 +176,7 @@ def assign_credit(cfg: CreditCfg, inp: CreditInput) -> CreditOutput:
     adv = torch.where(keep, adv, torch.zeros_like(adv)).float()
     kept = adv[keep]
     if kept.numel():
-        stats.update(adv_mean=float(kept.mean()), adv_std=float(kept.std(correction=0)),
-                     adv_abs_max=float(kept.abs().max()))
+        stats.update(
+            adv_mean=float(kept.mean()), adv_std=float(kept.std(correction=0)), adv_abs_max=float(kept.abs().max())
+        )
     return CreditOutput(advantages=adv, stats=stats, state=out.state)

@@ -15,7 +15,6 @@ Notation: B batch, P groups, T steps, ρ (B, T+1) step rewards (see ``flowcredit
 
 from __future__ import annotations
 
-
 import torch
 from torch import Tensor
 

@@ -48,8 +48,8 @@ def instant_rewards_of(inp: CreditInput) -> Tensor:
         return inp.instant_rewards
     if inp.step_rewards is not None:
         return inp.step_rewards[:, 1:]
-    raise ValueError("VGPO / the ADAE anchor need CreditInput.instant_rewards (B, T): rewards of the one-step "
-                     "Tweedie estimates of x^(1) … x^(T) (ALGORITHMS.md §5.2), or step_rewards (B, T+1).")
+    raise ValueError("VGPO / the ADAE anchor need CreditInput.instant_rewards (B, T): rewards of the one-step Tweedie "
+                     "estimates of x^(1) … x^(T) (ALGORITHMS.md §5.2), or step_rewards (B, T+1).")
 
 
 def shift_nonnegative(instant_rewards: Tensor, mode: str) -> tuple[Tensor, float]:
@@ -179,10 +179,13 @@ def tcrm(inp: CreditInput, cfg: CreditCfg) -> tuple[Tensor, Tensor, dict[str, fl
     inst, shift = shift_nonnegative(inst, cfg.reward_shift)
     if cfg.vgpo_weights and bool((inst < 0).any()):
         raise ValueError("VGPO timestep weights ω = Q / mean_t Q need non-negative instant rewards (A14); got a "
-                         f"minimum of {float(inst.min()):.4g} with reward_shift='none'. Use reward_shift='min', "
-                         "shift the reward itself, or set vgpo_weights=False.")
+                         f"minimum of {float(inst.min()):.4g} with reward_shift='none'. Use reward_shift='min', shift "
+                         "the reward itself, or set vgpo_weights=False.")
     value = discounted_value(inst, cfg.vgpo_gamma)  # (B, T)
-    omega = timestep_weights(value, cfg.eps, cfg.vgpo_weights_degenerate) if cfg.vgpo_weights else torch.ones_like(value)
+    if cfg.vgpo_weights:
+        omega = timestep_weights(value, cfg.eps, cfg.vgpo_weights_degenerate)
+    else:
+        omega = torch.ones_like(value)
     inverse, num_groups = group_index(inp.group_ids)
     stats: dict[str, float | list[float]] = {
         "reward_shift": shift,

@@ -27,8 +27,9 @@ import copy
 import importlib
 import json
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -65,7 +66,8 @@ def require_extra(module: str, needed_by: str):
     except ModuleNotFoundError as e:
         missing = (e.name or module).split(".")[0]
         raise MissingExtraError(
-            f"{needed_by} needs the optional extra: {DIFFUSERS_EXTRA} (the Python package '{missing}' is not installed)",
+            f"{needed_by} needs the optional extra: {DIFFUSERS_EXTRA} (the Python package '{missing}' is not "
+            "installed)",
             name=missing,
         ) from None
 
@@ -116,7 +118,8 @@ def load_dtypes(precision: str, trainable: str) -> dict[str, torch.dtype]:
     if precision == "fp32":
         return {"default": torch.float32}
     if precision != "bf16":
-        raise ValueError(f"model.precision={precision!r}; valid here: fp32, bf16 ('auto' is resolved by models.factory.build_model)")
+        raise ValueError(f"model.precision={precision!r}; valid here: fp32, bf16 ('auto' is resolved by "
+                         "models.factory.build_model)")
     return {
         "default": torch.bfloat16,
         "vae": torch.float32,
@@ -133,8 +136,8 @@ def check_diffusers_version(needed_by: str) -> None:
     parts = tuple(int(x) for x in diffusers.__version__.split(".")[:2] if x.isdigit())
     if parts < MIN_DIFFUSERS:
         raise MissingExtraError(
-            f"{needed_by} needs diffusers>={'.'.join(map(str, MIN_DIFFUSERS))} (per-component dtypes, "
-            f"LoRA alpha metadata); found {diffusers.__version__}: pip install -U 'diffusers>=0.34'"
+            f"{needed_by} needs diffusers>={'.'.join(map(str, MIN_DIFFUSERS))} (per-component dtypes, LoRA alpha "
+            f"metadata); found {diffusers.__version__}: pip install -U 'diffusers>=0.34'"
         )
 
 
@@ -228,7 +231,9 @@ class DiffusersFlowModel(nn.Module):
         targets = list(cfg.lora_targets) if cfg.lora_targets else list(self.default_lora_targets)
         self.lora_targets = targets
         self.net.add_adapter(
-            LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, init_lora_weights="gaussian", target_modules=targets)
+            LoraConfig(
+                r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, init_lora_weights="gaussian", target_modules=targets
+            )
         )
         n = 0
         for name, p in self.net.named_parameters():
@@ -274,7 +279,8 @@ class DiffusersFlowModel(nn.Module):
         elif trainable in ("all", "blocks"):
             if self.has_lora:
                 raise ValueError(
-                    f"model.trainable={trainable} on a model built with a LoRA adapter; build it with trainable={trainable}"
+                    f"model.trainable={trainable} on a model built with a LoRA adapter; build it with "
+                    f"trainable={trainable}"
                 )
             if trainable == "all":
                 net.requires_grad_(True)
@@ -309,7 +315,7 @@ class DiffusersFlowModel(nn.Module):
         return self._adapter_disabled
 
     @contextlib.contextmanager
-    def _adapter_disabled(self) -> Iterator["DiffusersFlowModel"]:
+    def _adapter_disabled(self) -> Iterator[DiffusersFlowModel]:
         with adapters_disabled(self.net, self.net.disable_adapters, self.net.enable_adapters):
             yield self
 
@@ -407,7 +413,8 @@ class DiffusersFlowModel(nn.Module):
             "latent_shape": list(self.latent_shape),
             "max_sequence_length": self.max_sequence_length,
             "lora": {"rank": self.cfg.lora_rank, "alpha": self.cfg.lora_alpha, "targets": self.lora_targets}
-            if self.has_lora else None,
+            if self.has_lora
+            else None,
         }
 
     def __repr__(self) -> str:  # the default nn.Module repr prints every layer of a 2B-parameter transformer

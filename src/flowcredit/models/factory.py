@@ -69,7 +69,8 @@ def set_trainable(model, trainable: str) -> list[torch.nn.Parameter]:
             mod.requires_grad_(True)
     elif trainable == "lora":
         if not getattr(model, "has_lora", False):
-            raise ValueError("model.trainable=lora but the model was built without a LoRA adapter; build it with build_model")
+            raise ValueError("model.trainable=lora but the model was built without a LoRA adapter; build it with "
+                             "build_model")
         net.requires_grad_(False)
         for name, p in net.named_parameters():
             if "lora_" in name:

@@ -90,7 +90,7 @@ class FluxFlowModel(DiffusersFlowModel):
         return int(tok.model_max_length) if tok is not None and tok.model_max_length < 10**6 else None
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, cfg=None, **kwargs) -> "FluxFlowModel":
+    def from_pretrained(cls, path: str | Path, cfg=None, **kwargs) -> FluxFlowModel:
         """Load from a local diffusers folder (checked: a missing component is named) or a hub id.
 
         Args:
@@ -151,8 +151,15 @@ class FluxFlowModel(DiffusersFlowModel):
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
         c = self.scheduler.config
-        return float(calculate_shift(self.latent_shape[0], c.get("base_image_seq_len", 256),
-                                     c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5), c.get("max_shift", 1.15)))
+        return float(
+            calculate_shift(
+                self.latent_shape[0],
+                c.get("base_image_seq_len", 256),
+                c.get("max_image_seq_len", 4096),
+                c.get("base_shift", 0.5),
+                c.get("max_shift", 1.15),
+            )
+        )
 
     @property
     def equivalent_shift(self) -> float:
@@ -171,8 +178,12 @@ class FluxFlowModel(DiffusersFlowModel):
 
     def pipeline_kwargs(self) -> dict:
         """Arguments that make `FluxPipeline.__call__` match this adapter."""
-        return {"height": self.resolution, "width": self.resolution, "max_sequence_length": self.max_sequence_length,
-                "guidance_scale": self.embedded_guidance}
+        return {
+            "height": self.resolution,
+            "width": self.resolution,
+            "max_sequence_length": self.max_sequence_length,
+            "guidance_scale": self.embedded_guidance,
+        }
 
     def describe(self) -> dict:
         d = super().describe()

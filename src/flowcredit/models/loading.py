@@ -26,7 +26,8 @@ def load_any_model(path: str | None, precision: str = "fp32") -> TinyFlowModel:
 
     Raises:
         FileNotFoundError: the checkpoint, or any checkpoint in the run folder, does not exist.
-        ValueError: (one line naming the file) a pickle .pt, a damaged checkpoint, or a file that is not what it claims.
+        ValueError: (one line naming the file) a pickle .pt, a damaged checkpoint, or a file that is not what it
+            claims.
     """
     from ..trainer import checkpoint
 
@@ -39,7 +40,8 @@ def load_any_model(path: str | None, precision: str = "fp32") -> TinyFlowModel:
             st = checkpoint.load(ck)
             try:
                 model = TinyFlowModel(TinyDiTConfig(**st["model_config"]))
-                if st.get("lora"):  # a LoRA run: rebuild its adapter to load the state, then evaluate the merged weights
+                # a LoRA run: rebuild its adapter to load the state, then evaluate the merged weights
+                if st.get("lora"):
                     model.add_lora(**st["lora"])
                 state = dict(st["model"])
                 if st.get("ema"):
@@ -47,7 +49,9 @@ def load_any_model(path: str | None, precision: str = "fp32") -> TinyFlowModel:
                 model.net.load_state_dict(state)
             except (KeyError, TypeError, RuntimeError) as e:
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise ValueError(f"checkpoint '{ck}' is not a tiny-model checkpoint ({first}); real models: flowcredit export") from None
+                raise ValueError(
+                    f"checkpoint '{ck}' is not a tiny-model checkpoint ({first}); real models: flowcredit export"
+                ) from None
             if model.has_lora:
                 merged = TinyFlowModel(model.cfg)
                 merged.net.load_state_dict(model.merged_state_dict())
@@ -60,7 +64,9 @@ def load_any_model(path: str | None, precision: str = "fp32") -> TinyFlowModel:
                 raise
             except Exception as e:  # noqa: BLE001 - a file that is not what it claims: one line naming it
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise ValueError(f"'{p}' is not a tiny-model .safetensors + .json pair ({type(e).__name__}: {first}); pass "
-                                 f"weights written by `flowcredit pretrain`/`export`, a checkpoint folder or a run folder") from None
+                raise ValueError(
+                    f"'{p}' is not a tiny-model .safetensors + .json pair ({type(e).__name__}: {first}); pass weights "
+                    "written by `flowcredit pretrain`/`export`, a checkpoint folder or a run folder"
+                ) from None
     model.compute_dtype = torch.bfloat16 if resolve_precision(precision) == "bf16" else torch.float32
     return model

@@ -65,7 +65,8 @@ class SD3FlowModel(DiffusersFlowModel):
         self.resolution = int(resolution or self.net.config.sample_size * vsf)
         if self.resolution % (vsf * patch) != 0:
             raise ValueError(
-                f"model resolution {self.resolution} must be a multiple of {vsf * patch} (VAE factor {vsf} × patch {patch})"
+                f"model resolution {self.resolution} must be a multiple of {vsf * patch} (VAE factor {vsf} × patch "
+                f"{patch})"
             )
         self.latent_shape = (self.net.config.in_channels, self.resolution // vsf, self.resolution // vsf)
 
@@ -75,13 +76,14 @@ class SD3FlowModel(DiffusersFlowModel):
         return int(tok.model_max_length) if tok is not None and tok.model_max_length < 10**6 else None
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, cfg=None, **kwargs) -> "SD3FlowModel":
+    def from_pretrained(cls, path: str | Path, cfg=None, **kwargs) -> SD3FlowModel:
         """Load from a local diffusers folder (checked: a missing component is named) or a hub id.
 
         Args:
             path: folder with model_index.json, transformer/, vae/, text_encoder{,_2,_3}/, tokenizer{,_2,_3}/,
                 scheduler/; or a hub id (downloading is the caller's business; tests never do it).
-            cfg: a ModelCfg (precision, trainable, LoRA settings, gradient checkpointing); default ModelCfg(name="sd3").
+            cfg: a ModelCfg (precision, trainable, LoRA settings, gradient checkpointing); default
+                ModelCfg(name="sd3").
             **kwargs: resolution, max_sequence_length, cache_size, decode_batch_size.
         """
         from ..config.schema import ModelCfg
@@ -94,8 +96,13 @@ class SD3FlowModel(DiffusersFlowModel):
     # ------------------------------------------------------------------------------------------- protocol
     def _encode_uncached(self, prompts: list[str]) -> dict[str, Tensor]:
         pe, _, pooled, _ = self._pipe.encode_prompt(
-            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device, num_images_per_prompt=1,
-            do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length,
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
         )
         return {"prompt_embeds": pe, "pooled": pooled}
 
@@ -120,8 +127,13 @@ class SD3FlowModel(DiffusersFlowModel):
             p = self.net.config.patch_size
             seq = (self.latent_shape[1] // p) * (self.latent_shape[2] // p)
             c = sched.config
-            kw["mu"] = calculate_shift(seq, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                                       c.get("base_shift", 0.5), c.get("max_shift", 1.16))
+            kw["mu"] = calculate_shift(
+                seq,
+                c.get("base_image_seq_len", 256),
+                c.get("max_image_seq_len", 4096),
+                c.get("base_shift", 0.5),
+                c.get("max_shift", 1.16),
+            )
         sched.set_timesteps(num_steps, device="cpu", **kw)
         return sched.sigmas.detach().clone().float()
 

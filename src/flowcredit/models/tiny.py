@@ -20,9 +20,9 @@ import contextlib
 import json
 import math
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -117,7 +117,9 @@ def sincos_2d(width: int, grid: int) -> Tensor:
     assert width % 4 == 0
     d = width // 4
     omega = 1.0 / (10000 ** (torch.arange(d, dtype=torch.float64) / d))
-    ys, xs = torch.meshgrid(torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64), indexing="ij")
+    ys, xs = torch.meshgrid(
+        torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64), indexing="ij"
+    )
     out = []
     for pos in (ys.reshape(-1), xs.reshape(-1)):
         a = pos[:, None] * omega[None, :]
@@ -191,7 +193,9 @@ class TinyDiT(nn.Module):
         super().__init__()
         self.cfg = cfg
         D, p, C = cfg.width, cfg.patch, cfg.channels
-        self.text = TextEncoder(len(SPECIAL_TOKENS) + len(cfg.vocabulary), D, cfg.heads, cfg.text_layers, cfg.max_text_len)
+        self.text = TextEncoder(
+            len(SPECIAL_TOKENS) + len(cfg.vocabulary), D, cfg.heads, cfg.text_layers, cfg.max_text_len
+        )
         self.patch_in = nn.Linear(C * p * p, D)
         self.register_buffer("pos_img", sincos_2d(D, cfg.resolution // p), persistent=False)
         self.t_mlp = nn.Sequential(nn.Linear(D, D), nn.SiLU(), nn.Linear(D, D))
@@ -208,7 +212,9 @@ class TinyDiT(nn.Module):
     def patchify(self, x: Tensor) -> Tensor:
         B, C, H, W = x.shape
         p = self.cfg.patch
-        return x.reshape(B, C, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5).reshape(B, (H // p) * (W // p), C * p * p)
+        return (
+            x.reshape(B, C, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5).reshape(B, (H // p) * (W // p), C * p * p)
+        )
 
     def unpatchify(self, tok: Tensor) -> Tensor:
         B, N, _ = tok.shape
@@ -287,7 +293,7 @@ class TinyFlowModel(nn.Module):
 
     # -- LoRA (peft) -------------------------------------------------------------------------------------------
 
-    def add_lora(self, rank: int, alpha: float, targets: Sequence[str] | None = None) -> "TinyFlowModel":
+    def add_lora(self, rank: int, alpha: float, targets: Sequence[str] | None = None) -> TinyFlowModel:
         """Inject a peft LoRA adapter ("default") into the DiT's linear layers (`DEFAULT_LORA_TARGETS` if `targets`
         is empty): W x + (α/r)·B A x with B = 0 at init (peft `inject_adapter_in_model`), so the velocity is unchanged
         until B is trained. The text encoder (nn.MultiheadAttention) is never wrapped. Returns self."""
@@ -301,8 +307,10 @@ class TinyFlowModel(nn.Module):
                 LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets), self.net
             )
         except ValueError as e:  # peft: "Target modules ... not found in the base model"
-            raise ValueError(f"model.lora_targets={targets} matched no linear layer of the tiny DiT ({str(e).splitlines()[0]}); "
-                             f"use names like {list(DEFAULT_LORA_TARGETS)}") from None
+            raise ValueError(
+                f"model.lora_targets={targets} matched no linear layer of the tiny DiT ({str(e).splitlines()[0]}); "
+                f"use names like {list(DEFAULT_LORA_TARGETS)}"
+            ) from None
         self.lora = {"rank": int(rank), "alpha": float(alpha), "targets": targets}
         return self
 
@@ -327,7 +335,7 @@ class TinyFlowModel(nn.Module):
         return self._adapter_disabled
 
     @contextlib.contextmanager
-    def _adapter_disabled(self) -> Iterator["TinyFlowModel"]:
+    def _adapter_disabled(self) -> Iterator[TinyFlowModel]:
         layers = self._lora_layers()
 
         def switch(on: bool):
@@ -367,7 +375,7 @@ class TinyFlowModel(nn.Module):
         return d / f"{name}.safetensors"
 
     @classmethod
-    def load(cls, path: str | Path | None = None) -> "TinyFlowModel":
+    def load(cls, path: str | Path | None = None) -> TinyFlowModel:
         """Load from a `.safetensors` path (config JSON beside it) or, with None, the shipped checkpoint."""
         from safetensors.torch import load_file
 
@@ -378,10 +386,14 @@ class TinyFlowModel(nn.Module):
                 raise FileNotFoundError(f"no .safetensors file in '{p}'; pass the weights file of a tiny model")
             p = cands[0]
         if not p.exists():
-            raise FileNotFoundError(f"tiny model weights '{p}' not found; pass a .safetensors file written by `flowcredit pretrain`")
+            raise FileNotFoundError(
+                f"tiny model weights '{p}' not found; pass a .safetensors file written by `flowcredit pretrain`"
+            )
         meta_path = p.with_suffix(".json")
         if not meta_path.exists():
-            raise FileNotFoundError(f"config '{meta_path}' missing next to '{p}'; it is written together with the weights")
+            raise FileNotFoundError(
+                f"config '{meta_path}' missing next to '{p}'; it is written together with the weights"
+            )
         meta = json.loads(meta_path.read_text())
         model = cls(TinyDiTConfig(**meta["config"]))
         model.net.load_state_dict(load_file(str(p)))

@@ -6,8 +6,9 @@ metadata never breaks an old reward (TRL's convention, STYLE.md R2).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -40,8 +41,9 @@ class RewardFn(Protocol):
 
     name: str
 
-    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any) -> RewardOutput:
-        ...
+    def __call__(
+        self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any
+    ) -> RewardOutput: ...
 
 
 def check_inputs(name: str, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None) -> int:
@@ -89,7 +91,9 @@ class Reward:
 
     name: str = "reward"
 
-    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any) -> RewardOutput:
+    def __call__(
+        self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any
+    ) -> RewardOutput:
         raise NotImplementedError
 
     def close(self) -> None:

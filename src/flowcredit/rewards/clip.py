@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -86,7 +87,7 @@ class ImagePreprocessor:
         self.std = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any], image_size: int, quantize: bool = True) -> "ImagePreprocessor":
+    def from_config(cls, cfg: dict[str, Any], image_size: int, quantize: bool = True) -> ImagePreprocessor:
         size = cfg.get("size", image_size)
         if isinstance(size, dict):
             short = size.get("shortest_edge") or min(size.get("height", image_size), size.get("width", image_size))
@@ -94,7 +95,9 @@ class ImagePreprocessor:
             short = int(size)
         crop = cfg.get("crop_size", short)
         crop = (crop["height"], crop["width"]) if isinstance(crop, dict) else (int(crop), int(crop))
-        return cls(short, crop, cfg.get("image_mean", OPENAI_CLIP_MEAN), cfg.get("image_std", OPENAI_CLIP_STD), quantize)
+        return cls(
+            short, crop, cfg.get("image_mean", OPENAI_CLIP_MEAN), cfg.get("image_std", OPENAI_CLIP_STD), quantize
+        )
 
     def __call__(self, images: Tensor) -> Tensor:
         x = images.float().clamp(0, 1)
@@ -102,12 +105,16 @@ class ImagePreprocessor:
             x = (x * 255).round() / 255
         h, w = x.shape[-2:]
         s = self.shortest_edge / min(h, w)
-        nh, nw = (self.shortest_edge, int(self.shortest_edge * w / h)) if h <= w else (int(self.shortest_edge * h / w), self.shortest_edge)
+        nh, nw = (
+            (self.shortest_edge, int(self.shortest_edge * w / h))
+            if h <= w
+            else (int(self.shortest_edge * h / w), self.shortest_edge)
+        )
         if (nh, nw) != (h, w):
             x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=s < 1).clamp(0, 1)
         ch, cw = self.crop
         top, left = max(0, (nh - ch) // 2), max(0, (nw - cw) // 2)
-        x = x[..., top:top + ch, left:left + cw]
+        x = x[..., top : top + ch, left : left + cw]
         if x.shape[-2:] != (ch, cw):  # image smaller than the crop: pad with zeros like CLIPImageProcessor
             x = F.pad(x, (0, cw - x.shape[-1], 0, ch - x.shape[-2]))
         return (x - self.mean.to(x.device)) / self.std.to(x.device)
@@ -116,24 +123,38 @@ class ImagePreprocessor:
 class CLIPBackbone:
     """A loaded CLIP model + tokenizer + preprocessor with normalized embedding helpers."""
 
-    def __init__(self, model: str | nn.Module, processor: str | None = None, local_files_only: bool = True,
-                 device: str = "cpu", dtype: str | torch.dtype = "float32", revision: str | None = None,
-                 quantize: bool = True, tokenizer: Any = None, reward: str = "clip"):
+    def __init__(
+        self,
+        model: str | nn.Module,
+        processor: str | None = None,
+        local_files_only: bool = True,
+        device: str = "cpu",
+        dtype: str | torch.dtype = "float32",
+        revision: str | None = None,
+        quantize: bool = True,
+        tokenizer: Any = None,
+        reward: str = "clip",
+    ):
         tf = _transformers(reward)
         self.device, self.dtype = torch.device(device), _dtype(dtype)
         if isinstance(model, str):
             try:
                 model_obj = tf.CLIPModel.from_pretrained(model, local_files_only=local_files_only, revision=revision)
             except OSError as e:
-                raise ValueError(f"reward '{reward}': cannot load CLIP model '{model}' "
-                                 f"(local_files_only={local_files_only}; pass a folder or pre-download the hub id): {e}") from e
+                raise ValueError(
+                    f"reward '{reward}': cannot load CLIP model '{model}' (local_files_only={local_files_only}; pass "
+                    f"a folder or pre-download the hub id): {e}"
+                ) from e
         else:
             model_obj = model
         self.model = model_obj.to(self.device, self.dtype).eval().requires_grad_(False)
         src = processor or (model if isinstance(model, str) else None)
         if tokenizer is None:
             if src is None:
-                raise ValueError(f"reward '{reward}': pass processor=<folder or hub id> (tokenizer + preprocessor_config) with a model object")
+                raise ValueError(
+                    f"reward '{reward}': pass processor=<folder or hub id> (tokenizer + preprocessor_config) with a "
+                    "model object"
+                )
             try:
                 tokenizer = tf.AutoTokenizer.from_pretrained(src, local_files_only=local_files_only, revision=revision)
             except OSError as e:
@@ -151,7 +172,9 @@ class CLIPBackbone:
 
     @torch.no_grad()
     def text_embeds(self, prompts: Sequence[str]) -> Tensor:
-        t = self.tokenizer(list(prompts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+        t = self.tokenizer(
+            list(prompts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
         t = {k: v.to(self.device) for k, v in t.items() if k in ("input_ids", "attention_mask")}
         e = _features(self.model.get_text_features(**t)).float()
         return e / e.norm(dim=-1, keepdim=True)
@@ -169,21 +192,34 @@ class _CLIPReward(Reward):
     default_model: str | None = None
     default_processor: str | None = None
 
-    def __init__(self, model: str | nn.Module | None = None, processor: str | None = None, local_files_only: bool = True,
-                 device: str = "cpu", dtype: str = "float32", batch_size: int = 32, revision: str | None = None,
-                 quantize: bool = True, tokenizer: Any = None):
+    def __init__(
+        self,
+        model: str | nn.Module | None = None,
+        processor: str | None = None,
+        local_files_only: bool = True,
+        device: str = "cpu",
+        dtype: str = "float32",
+        batch_size: int = 32,
+        revision: str | None = None,
+        quantize: bool = True,
+        tokenizer: Any = None,
+    ):
         model = model if model is not None else self.default_model
         if model is None:
             raise ValueError(f"reward '{self.name}' needs model=<folder or hub id of a transformers CLIPModel>")
         if processor is None and isinstance(model, str) and model == self.default_model:
             processor = self.default_processor
-        self.clip = CLIPBackbone(model, processor, local_files_only, device, dtype, revision, quantize, tokenizer, self.name)
+        self.clip = CLIPBackbone(
+            model, processor, local_files_only, device, dtype, revision, quantize, tokenizer, self.name
+        )
         self.batch_size = int(batch_size)
 
     def _score(self, images: Tensor, prompts: Sequence[str]) -> tuple[Tensor, dict[str, Tensor]]:
         raise NotImplementedError
 
-    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any) -> RewardOutput:
+    def __call__(
+        self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any
+    ) -> RewardOutput:
         check_inputs(self.name, images, prompts, None)
         scores, comps = [], {}
         for sl in chunks(images.shape[0], self.batch_size):
@@ -254,8 +290,16 @@ class AestheticMLP(nn.Module):
 
     def __init__(self, dim: int = 768):
         super().__init__()
-        self.layers = nn.Sequential(nn.Linear(dim, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
-                                    nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
+        self.layers = nn.Sequential(
+            nn.Linear(dim, 1024),
+            nn.Dropout(0.2),
+            nn.Linear(1024, 128),
+            nn.Dropout(0.2),
+            nn.Linear(128, 64),
+            nn.Dropout(0.1),
+            nn.Linear(64, 16),
+            nn.Linear(16, 1),
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         return self.layers(x)
@@ -287,8 +331,10 @@ class AestheticReward(_CLIPReward):
     def __init__(self, *args: Any, head: str | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         if head is None:
-            raise ValueError("reward 'aesthetic' needs head=<local file of the LAION aesthetic MLP weights, "
-                             "e.g. sac+logos+ava1-l14-linearMSE.pth>")
+            raise ValueError(
+                "reward 'aesthetic' needs head=<local file of the LAION aesthetic MLP weights, e.g. "
+                "sac+logos+ava1-l14-linearMSE.pth>"
+            )
         if not os.path.isfile(head):
             raise ValueError(f"reward 'aesthetic': head file not found: {head}")
         dim = int(self.clip.model.config.projection_dim)

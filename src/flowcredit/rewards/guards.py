@@ -27,8 +27,9 @@ All are plain Python / torch, no trainer dependency. Typical use:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -68,7 +69,9 @@ class GoldMonitor:
         self.records: list[GoldRecord] = []
 
     @classmethod
-    def from_prompts(cls, reward: Any, spec: str, every: int = 10, limit: int | None = None, name: str = "gold") -> "GoldMonitor":
+    def from_prompts(
+        cls, reward: Any, spec: str, every: int = 10, limit: int | None = None, name: str = "gold"
+    ) -> GoldMonitor:
         """Fixed prompts from a prompt spec (`shapes:test_unique`, a .txt or .jsonl file), first `limit` of them."""
         from ..shapes.prompts import load_prompts
 
@@ -89,13 +92,18 @@ class GoldMonitor:
         prompts, meta = self.prompts * k, self.metadata * k
         out = check_output(self.name, self.reward(images, prompts, meta), n)
         s = out.scores
-        rec = GoldRecord(int(iteration), float(s.mean()), float(s.std(unbiased=False)), s.tolist(),
-                         {c: float(v.mean()) for c, v in out.components.items()})
+        rec = GoldRecord(
+            int(iteration),
+            float(s.mean()),
+            float(s.std(unbiased=False)),
+            s.tolist(),
+            {c: float(v.mean()) for c, v in out.components.items()},
+        )
         self.records.append(rec)
         return rec
 
     def run(self, iteration: int, sample_fn: Callable[[list[str], list[dict[str, Any]]], Tensor]) -> GoldRecord:
-        """Generate with `sample_fn(prompts, metadata) -> images (N, 3, H, W)` (fixed seed recommended) and evaluate."""
+        """Generate with `sample_fn(prompts, metadata) -> images (N, 3, H, W)` (fixed seed recommended), evaluate."""
         return self.evaluate(iteration, sample_fn(list(self.prompts), [dict(m) for m in self.metadata]))
 
     def series(self) -> tuple[list[int], list[float]]:
@@ -106,7 +114,11 @@ class GoldMonitor:
         if not self.records:
             return {}
         r = self.records[-1]
-        return {f"{self.name}/mean": r.mean, f"{self.name}/std": r.std, **{f"{self.name}/{k}": v for k, v in r.components.items()}}
+        return {
+            f"{self.name}/mean": r.mean,
+            f"{self.name}/std": r.std,
+            **{f"{self.name}/{k}": v for k, v in r.components.items()},
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return {"records": [asdict(r) for r in self.records]}
@@ -134,8 +146,12 @@ def pairwise_distance(x: Tensor, normalize: bool = True) -> Tensor:
     return m.float()
 
 
-def group_diversity(samples: Tensor, group_ids: Sequence[int] | Tensor, features: Callable[[Tensor], Tensor] | None = None,
-                    normalize: bool | None = None) -> Tensor:
+def group_diversity(
+    samples: Tensor,
+    group_ids: Sequence[int] | Tensor,
+    features: Callable[[Tensor], Tensor] | None = None,
+    normalize: bool | None = None,
+) -> Tensor:
     """Within-group diversity: mean pairwise distance of the samples of each group → (G,), groups in sorted id order.
 
     Args:
@@ -158,7 +174,11 @@ def trend(values: Sequence[float], xs: Sequence[float] | None = None) -> float:
     y = torch.as_tensor(list(values), dtype=torch.float64)
     if y.numel() < 2:
         return 0.0
-    x = torch.as_tensor(list(xs), dtype=torch.float64) if xs is not None else torch.arange(y.numel(), dtype=torch.float64)
+    x = (
+        torch.as_tensor(list(xs), dtype=torch.float64)
+        if xs is not None
+        else torch.arange(y.numel(), dtype=torch.float64)
+    )
     xc = x - x.mean()
     den = float((xc * xc).sum())
     return float((xc * (y - y.mean())).sum() / den) if den > 0 else 0.0
@@ -186,8 +206,14 @@ class HackingAlarm:
         train_rise, gold_drop, diversity_drop: thresholds (in reward / distance units).
     """
 
-    def __init__(self, window: int = 5, min_points: int = 3, train_rise: float = 0.0, gold_drop: float = 0.0,
-                 diversity_drop: float | None = None):
+    def __init__(
+        self,
+        window: int = 5,
+        min_points: int = 3,
+        train_rise: float = 0.0,
+        gold_drop: float = 0.0,
+        diversity_drop: float | None = None,
+    ):
         if window < 2 or min_points < 2:
             raise ValueError("HackingAlarm: window and min_points must be >= 2")
         self.window, self.min_points = int(window), int(min_points)
@@ -214,9 +240,11 @@ class HackingAlarm:
         return trend(ys, xs) * (hi - lo), len(pts)
 
     def check(self) -> AlarmState:
-        gold = self.gold[-self.window:]
+        gold = self.gold[-self.window :]
         if len(gold) < self.min_points:
-            return AlarmState(False, 0.0, 0.0, None, [], f"waiting for {self.min_points} gold points ({len(gold)} so far)")
+            return AlarmState(
+                False, 0.0, 0.0, None, [], f"waiting for {self.min_points} gold points ({len(gold)} so far)"
+            )
         lo, hi = gold[0][0], gold[-1][0]
         g, _ = self._change(gold, lo, hi)
         t, nt = self._change(self.train, lo, hi)
@@ -227,8 +255,11 @@ class HackingAlarm:
             reasons.append("gold_down")
         if rising and d is not None and self.diversity_drop is not None and d < -self.diversity_drop:
             reasons.append("diversity_down")
-        msg = (f"iterations {lo}-{hi}: train reward {t:+.4f}, gold {g:+.4f}" + (f", diversity {d:+.4f}" if d is not None else "")
-               + (f" -> possible reward hacking ({', '.join(reasons)})" if reasons else ""))
+        msg = (
+            f"iterations {lo}-{hi}: train reward {t:+.4f}, gold {g:+.4f}"
+            + (f", diversity {d:+.4f}" if d is not None else "")
+            + (f" -> possible reward hacking ({', '.join(reasons)})" if reasons else "")
+        )
         return AlarmState(bool(reasons), t, g, d, reasons, msg)
 
     def state_dict(self) -> dict[str, Any]:

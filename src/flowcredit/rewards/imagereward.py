@@ -29,13 +29,22 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .base import Reward, RewardOutput, check_inputs, chunks
-from .clip import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, AestheticMLP, ImagePreprocessor, _dtype, _transformers, load_state_dict_file
+from .clip import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    AestheticMLP,
+    ImagePreprocessor,
+    _dtype,
+    _transformers,
+    load_state_dict_file,
+)
 
 MEAN = 0.16717362830052426
 STD = 1.0333394966054072
@@ -101,11 +110,18 @@ class ImageRewardReward(Reward):
                  revision: str | None = None, device: str = "cpu", dtype: str = "float32", batch_size: int = 16,
                  max_length: int = 35, image_size: int | None = None, quantize: bool = True):
         tf = _transformers(self.name)
-        self.device, self.dtype, self.batch_size, self.max_length = torch.device(device), _dtype(dtype), int(batch_size), int(max_length)
-        kw = dict(local_files_only=local_files_only, revision=revision)
+        self.device, self.dtype, self.batch_size, self.max_length = (
+            torch.device(device),
+            _dtype(dtype),
+            int(batch_size),
+            int(max_length),
+        )
+        kw = {"local_files_only": local_files_only, "revision": revision}
         if (model is None) == (checkpoint is None):
-            raise ValueError("reward 'imagereward' needs model=<transformers BLIP folder> (+ head) or checkpoint=<ImageReward.pt> "
-                             "(+ config, tokenizer); it is not downloaded")
+            raise ValueError(
+                "reward 'imagereward' needs model=<transformers BLIP folder> (+ head) or checkpoint=<ImageReward.pt> "
+                "(+ config, tokenizer); it is not downloaded"
+            )
         try:
             if model is not None:
                 blip = tf.BlipForImageTextRetrieval.from_pretrained(model, **kw)
@@ -115,7 +131,10 @@ class ImageRewardReward(Reward):
                 head_sd = load_state_dict_file(head)
             else:
                 if config is None or tokenizer is None:
-                    raise ValueError("reward 'imagereward': checkpoint= needs config=<BLIP config folder/id> and tokenizer=<bert-base-uncased folder/id>")
+                    raise ValueError(
+                        "reward 'imagereward': checkpoint= needs config=<BLIP config folder/id> and "
+                        "tokenizer=<bert-base-uncased folder/id>"
+                    )
                 cfg = tf.BlipConfig.from_pretrained(config, **kw)
                 cfg.vision_config.image_size = image_size or 224
                 blip = tf.BlipForImageTextRetrieval(cfg)
@@ -141,10 +160,16 @@ class ImageRewardReward(Reward):
         expected = blip.state_dict()
         unexpected = [k for k in sd if k not in expected and not _IGNORED.search(k)]
         missing = [k for k in expected if k not in sd and not _IGNORED.search(k)]
-        wrong = [f"{k}: {tuple(sd[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items() if k in sd and sd[k].shape != v.shape]
+        wrong = [
+            f"{k}: {tuple(sd[k].shape)} vs {tuple(v.shape)}"
+            for k, v in expected.items()
+            if k in sd and sd[k].shape != v.shape
+        ]
         if unexpected or missing or wrong:
-            raise ValueError(f"reward 'imagereward': {source} does not match the BLIP config: "
-                             f"unexpected {unexpected[:5]}, missing {missing[:5]}, shape mismatches {wrong[:5]}")
+            raise ValueError(
+                f"reward 'imagereward': {source} does not match the BLIP config: unexpected {unexpected[:5]}, missing "
+                f"{missing[:5]}, shape mismatches {wrong[:5]}"
+            )
         blip.load_state_dict({k: v for k, v in sd.items() if k in expected}, strict=False)
 
     @torch.no_grad()
@@ -152,25 +177,41 @@ class ImageRewardReward(Reward):
         px = self.preprocess(images.to(self.device)).to(self.dtype)
         img = self.blip.vision_model(pixel_values=px).last_hidden_state
         att = torch.ones(img.shape[:-1], dtype=torch.long, device=self.device)
-        t = self.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt")
-        out = self.blip.text_encoder(input_ids=t["input_ids"].to(self.device), attention_mask=t["attention_mask"].to(self.device),
-                                     encoder_hidden_states=img, encoder_attention_mask=att)
+        t = self.tokenizer(
+            list(prompts), padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
+        out = self.blip.text_encoder(
+            input_ids=t["input_ids"].to(self.device),
+            attention_mask=t["attention_mask"].to(self.device),
+            encoder_hidden_states=img,
+            encoder_attention_mask=att,
+        )
         return self.head(out.last_hidden_state[:, 0, :].float()).squeeze(-1)
 
-    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any) -> RewardOutput:
+    def __call__(
+        self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any
+    ) -> RewardOutput:
         check_inputs(self.name, images, prompts, None)
-        raw = torch.cat([self.raw_scores(images[sl], list(prompts)[sl]).cpu() for sl in chunks(images.shape[0], self.batch_size)])
+        raw = torch.cat(
+            [self.raw_scores(images[sl], list(prompts)[sl]).cpu() for sl in chunks(images.shape[0], self.batch_size)]
+        )
         return RewardOutput(((raw - MEAN) / STD).float(), {"raw": raw.float()})
 
 
-def convert_checkpoint(checkpoint: str, config: str, tokenizer: str, out_dir: str, local_files_only: bool = True,
-                       image_size: int = 224) -> str:
-    """Write a transformers BLIP folder (+ `imagereward_head.safetensors` + tokenizer) from the original ImageReward.pt,
-    loadable with `ImageRewardReward(model=out_dir)`."""
+def convert_checkpoint(
+    checkpoint: str, config: str, tokenizer: str, out_dir: str, local_files_only: bool = True, image_size: int = 224
+) -> str:
+    """Write a transformers BLIP folder (+ `imagereward_head.safetensors` + tokenizer) from the original
+    ImageReward.pt, loadable with `ImageRewardReward(model=out_dir)`."""
     from safetensors.torch import save_file
 
-    r = ImageRewardReward(checkpoint=checkpoint, config=config, tokenizer=tokenizer, local_files_only=local_files_only,
-                          image_size=image_size)
+    r = ImageRewardReward(
+        checkpoint=checkpoint,
+        config=config,
+        tokenizer=tokenizer,
+        local_files_only=local_files_only,
+        image_size=image_size,
+    )
     os.makedirs(out_dir, exist_ok=True)
     r.blip.save_pretrained(out_dir)
     r.tokenizer.save_pretrained(out_dir)

@@ -10,7 +10,8 @@ background shows up as a brightness/contrast drift). All statistics are in [0, 1
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from torch import Tensor
 
@@ -45,7 +46,9 @@ class ImageStatsReward(Reward):
             raise ValueError(f"reward 'imagestats': stat must be one of {STATS}, got {stat!r}")
         self.stat, self.target = stat, target
 
-    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any) -> RewardOutput:
+    def __call__(
+        self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any
+    ) -> RewardOutput:
         check_inputs(self.name, images, prompts, metadata)
         st = image_stats(images)
         s = st[self.stat]

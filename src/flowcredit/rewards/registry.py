@@ -52,13 +52,16 @@ def resolve(name: str):
         else:
             close = difflib.get_close_matches(name, REWARDS, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ValueError(f"unknown reward '{name}' (reward.name){hint} valid rewards: {', '.join(names())}, or a 'module:Class' path")
+            raise ValueError(f"unknown reward '{name}' (reward.name){hint} valid rewards: {', '.join(names())}, or a "
+                             "'module:Class' path")
     mod, attr = target.split(":", 1)
     try:
         module = importlib.import_module(mod)
     except ModuleNotFoundError as e:
         if name in REWARDS:  # a built-in reward whose optional dependency is missing
-            raise ValueError(f"reward '{name}' needs the Python package '{e.name}': pip install 'flowcredit[rewards]'") from e
+            raise ValueError(
+                f"reward '{name}' needs the Python package '{e.name}': pip install 'flowcredit[rewards]'"
+            ) from e
         raise ValueError(f"reward '{name}': cannot import module '{mod}' ({e})") from e
     try:
         return getattr(module, attr)

@@ -14,14 +14,14 @@ import http.client
 import itertools
 import json
 import os
-import socket
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any
 
 from torch import Tensor
 
@@ -59,9 +59,18 @@ class RemoteReward(Reward):
 
     name = "remote"
 
-    def __init__(self, urls: str | Sequence[str] = "http://127.0.0.1:8765", token: str | None = None, timeout: float = 120.0,
-                 encoding: str = "png", chunk_size: int | None = None, max_retries: int = 2, backoff: float = 0.5,
-                 name: str | None = None, max_concurrency: int | None = None):
+    def __init__(
+        self,
+        urls: str | Sequence[str] = "http://127.0.0.1:8765",
+        token: str | None = None,
+        timeout: float = 120.0,
+        encoding: str = "png",
+        chunk_size: int | None = None,
+        max_retries: int = 2,
+        backoff: float = 0.5,
+        name: str | None = None,
+        max_concurrency: int | None = None,
+    ):
         if isinstance(urls, str):
             urls = [u for u in urls.split(",") if u.strip()]
         self.urls = [u.strip().rstrip("/") for u in urls]
@@ -76,11 +85,13 @@ class RemoteReward(Reward):
             self.name = name
         self._rr = itertools.count()
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=max(1, int(max_concurrency or len(self.urls))), thread_name_prefix="remote-reward")
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, int(max_concurrency or len(self.urls))), thread_name_prefix="remote-reward"
+        )
         self._batch_dependent: bool | None = None
         self._server_max_batch: int | None = None
         self._server_max_body: int | None = None
-        self.requests_per_url = {u: 0 for u in self.urls}
+        self.requests_per_url = dict.fromkeys(self.urls, 0)
 
     # ------------------------------------------------------------------------------------------ HTTP
     def _headers(self) -> dict[str, str]:
@@ -102,9 +113,11 @@ class RemoteReward(Reward):
             except (ValueError, AttributeError, OSError):
                 reason = ""
             if 400 <= e.code < 500:
-                raise RemoteRewardError(f"reward service {url} refused the request: HTTP {e.code}: {reason}", e.code) from None
+                raise RemoteRewardError(
+                    f"reward service {url} refused the request: HTTP {e.code}: {reason}", e.code
+                ) from None
             raise _ServerDown(f"HTTP {e.code}: {reason}") from None
-        except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError, http.client.HTTPException, OSError) as e:
+        except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException, OSError) as e:
             raise _ServerDown(f"{type(e).__name__}: {getattr(e, 'reason', e)}") from None
 
     def health(self, url: str | None = None) -> dict[str, Any]:
@@ -135,14 +148,21 @@ class RemoteReward(Reward):
             if e.status != 413 or b < 2 or not splittable:
                 raise
             h = b // 2
-            return concat_outputs([self._score_chunk(images[:h], prompts[:h], metadata[:h], start),
-                                   self._score_chunk(images[h:], prompts[h:], metadata[h:], start + 1)])
+            return concat_outputs(
+                [
+                    self._score_chunk(images[:h], prompts[:h], metadata[:h], start),
+                    self._score_chunk(images[h:], prompts[h:], metadata[h:], start + 1),
+                ]
+            )
 
     def _score_chunk_once(self, images: Tensor, prompts, metadata, start: int) -> RewardOutput:
         body = encode_request(images, prompts, metadata, self.encoding)
         if self._server_max_body and len(body) > self._server_max_body:  # would be refused: split before sending
-            raise RemoteRewardError(f"a request of {images.shape[0]} images is {len(body)} bytes, more than the server's "
-                                    f"max_body_bytes={self._server_max_body}", 413)
+            raise RemoteRewardError(
+                f"a request of {images.shape[0]} images is {len(body)} bytes, more than the server's "
+                f"max_body_bytes={self._server_max_body}",
+                413,
+            )
         errors: dict[str, str] = {}
         n = len(self.urls)
         for rnd in range(self.max_retries + 1):
@@ -158,12 +178,16 @@ class RemoteReward(Reward):
                     continue
                 return out
             if rnd < self.max_retries:
-                time.sleep(self.backoff * (2 ** rnd))
+                time.sleep(self.backoff * (2**rnd))
         detail = "; ".join(f"{u}: {m}" for u, m in errors.items())
-        raise RemoteRewardError(f"no reward server could score {images.shape[0]} images after {self.max_retries + 1} rounds: {detail}")
+        raise RemoteRewardError(
+            f"no reward server could score {images.shape[0]} images after {self.max_retries + 1} rounds: {detail}"
+        )
 
     # ------------------------------------------------------------------------------------------ reward
-    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any) -> RewardOutput:
+    def __call__(
+        self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any
+    ) -> RewardOutput:
         b = check_inputs(self.name, images, prompts, metadata)
         metadata = list(metadata) if metadata is not None else [{} for _ in range(b)]
         start = next(self._rr) % len(self.urls)
@@ -177,8 +201,12 @@ class RemoteReward(Reward):
         if not dependent and self._server_max_batch:
             size = min(size, self._server_max_batch)
         bounds = [(i, min(i + size, b)) for i in range(0, b, size)]
-        futs = [self._pool.submit(self._score_chunk, images[i:j], list(prompts[i:j]), metadata[i:j], start + c, not dependent)
-                for c, (i, j) in enumerate(bounds)]
+        futs = [
+            self._pool.submit(
+                self._score_chunk, images[i:j], list(prompts[i:j]), metadata[i:j], start + c, not dependent
+            )
+            for c, (i, j) in enumerate(bounds)
+        ]
         out = concat_outputs([f.result() for f in futs])
         res = out.info.get("results")
         if isinstance(res, list) and res and all(isinstance(r, dict) for r in res):

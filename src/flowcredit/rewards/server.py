@@ -31,9 +31,10 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -145,12 +146,13 @@ class RewardServer:
                 for j, o in zip(batch, _split(out, [j.images.shape[0] for j in batch])):
                     j.future.set_result(o)
                 return
-            except Exception:
-                pass  # score one by one, so one bad request fails alone
+            except Exception:  # noqa: BLE001  (score one by one below, so one bad request fails alone)
+                pass
         for j in batch:
             try:
-                j.future.set_result(check_output(self.name, self.reward(j.images, j.prompts, j.metadata), j.images.shape[0]))
-            except Exception as e:
+                out = check_output(self.name, self.reward(j.images, j.prompts, j.metadata), j.images.shape[0])
+                j.future.set_result(out)
+            except Exception as e:  # noqa: BLE001  (not swallowed: the request's future raises it)
                 j.future.set_exception(e)
 
     def score(self, images, prompts, metadata) -> RewardOutput:
@@ -194,10 +196,19 @@ class RewardServer:
             def do_GET(self):
                 path = self.path.split("?", 1)[0]
                 if path == "/health":
-                    return self._json(200, {"status": "ok", "reward": server.name, "schema": SCHEMA,
-                                            "batch_dependent": server.batch_dependent, "max_batch": server.max_batch,
-                                            "max_body_bytes": server.max_body_bytes, "queued": server._q.qsize(),
-                                            "served": server.served})
+                    return self._json(
+                        200,
+                        {
+                            "status": "ok",
+                            "reward": server.name,
+                            "schema": SCHEMA,
+                            "batch_dependent": server.batch_dependent,
+                            "max_batch": server.max_batch,
+                            "max_body_bytes": server.max_body_bytes,
+                            "queued": server._q.qsize(),
+                            "served": server.served,
+                        },
+                    )
                 if path == "/schema":
                     from . import wire
 
@@ -223,7 +234,9 @@ class RewardServer:
                 if server.token is not None:
                     got = self.headers.get("Authorization", "")
                     if not hmac.compare_digest(got.encode(), f"Bearer {server.token}".encode()):
-                        return self._error(401, "missing or wrong bearer token (Authorization: Bearer <token>)", close=True)
+                        return self._error(
+                            401, "missing or wrong bearer token (Authorization: Bearer <token>)", close=True
+                        )
                 if self.headers.get("Transfer-Encoding", "").lower() == "chunked" or length_h is None:
                     return self._error(411, "Content-Length is required (chunked bodies are not accepted)", close=True)
                 try:
@@ -235,7 +248,9 @@ class RewardServer:
                 if length > server.max_body_bytes:
                     if length <= server.max_body_bytes + (8 << 20):
                         self._drain(length)
-                    return self._error(413, f"body of {length} bytes exceeds max_body_bytes={server.max_body_bytes}", close=True)
+                    return self._error(
+                        413, f"body of {length} bytes exceeds max_body_bytes={server.max_body_bytes}", close=True
+                    )
                 try:
                     body = self.rfile.read(length)
                 except OSError as e:
@@ -248,7 +263,11 @@ class RewardServer:
                         from .wire import looks_like_pickle
 
                         if looks_like_pickle(body):
-                            raise WireError(400, "pickle payloads are refused: send JSON (schema flowcredit.reward.v1, see GET /schema)")
+                            raise WireError(
+                                400,
+                                "pickle payloads are refused: send JSON (schema "
+                                "flowcredit.reward.v1, see GET /schema)",
+                            )
                         raise WireError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}")
                     images, prompts, meta = decode_request(body, server.max_pixels, server.max_batch)
                 except WireError as e:
@@ -258,7 +277,7 @@ class RewardServer:
                     out = server.score(images, prompts, meta)
                 except WireError as e:
                     return self._error(e.status, e.reason)
-                except Exception as e:  # the reward failed: report it, keep serving
+                except Exception as e:  # noqa: BLE001  (the reward failed: report it, keep serving)
                     return self._error(500, f"reward '{server.name}' failed: {type(e).__name__}: {e}")
                 server.served += len(prompts)
                 self._json(200, raw=encode_response(server.name, out, time.perf_counter() - t0))
@@ -270,7 +289,7 @@ class RewardServer:
 
         return Handler
 
-    def start(self) -> "RewardServer":
+    def start(self) -> RewardServer:
         t = threading.Thread(target=self._httpd.serve_forever, name=f"reward-http-{self.name}", daemon=True)
         t.start()
         self._threads.append(t)
@@ -286,16 +305,23 @@ class RewardServer:
         self._q.put(None)
         self._worker.join(timeout=5)
 
-    def __enter__(self) -> "RewardServer":
+    def __enter__(self) -> RewardServer:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-def serve_reward(name: str, host: str = LOOPBACK, port: int = 8765, token: str | None = None,
-                 max_body_bytes: int = 64 << 20, options: dict[str, Any] | None = None, block: bool = True,
-                 **server_kwargs: Any) -> RewardServer:
+def serve_reward(
+    name: str,
+    host: str = LOOPBACK,
+    port: int = 8765,
+    token: str | None = None,
+    max_body_bytes: int = 64 << 20,
+    options: dict[str, Any] | None = None,
+    block: bool = True,
+    **server_kwargs: Any,
+) -> RewardServer:
     """Build reward `name` from the registry with `options` and serve it.
 
     block=True serves until interrupted (then closes and returns the server); block=False starts it on a
@@ -304,7 +330,9 @@ def serve_reward(name: str, host: str = LOOPBACK, port: int = 8765, token: str |
     from .registry import build_reward
 
     reward = build_reward(name, **(options or {}))
-    srv = RewardServer(reward, host=host, port=port, token=token, max_body_bytes=max_body_bytes, name=name, **server_kwargs)
+    srv = RewardServer(
+        reward, host=host, port=port, token=token, max_body_bytes=max_body_bytes, name=name, **server_kwargs
+    )
     if not block:
         return srv.start()
     try:
@@ -334,18 +362,33 @@ def main_serve(argv: Sequence[str] | None = None) -> int:
 
     Returns the exit code: 0 after Ctrl-C, 2 on bad arguments or a reward that cannot be built.
     """
-    ap = argparse.ArgumentParser(prog="flowcredit serve-reward", description="Serve a registered reward over HTTP (JSON; never pickle).")
+    ap = argparse.ArgumentParser(
+        prog="flowcredit serve-reward", description="Serve a registered reward over HTTP (JSON; never pickle)."
+    )
     ap.add_argument("name", help="registered reward name (flowcredit.rewards.registry) or module:Class")
-    ap.add_argument("--host", default=LOOPBACK, help="bind address (default 127.0.0.1; a non-loopback host exposes the reward to the network)")
+    ap.add_argument(
+        "--host",
+        default=LOOPBACK,
+        help="bind address (default 127.0.0.1; a non-loopback host exposes the reward to the network)",
+    )
     ap.add_argument("--port", type=int, default=8765, help="port (0 = any free port; the URL is printed)")
-    ap.add_argument("--token", default=None, help=f"bearer token required on POST /score (default: ${TOKEN_ENV} if set)")
+    ap.add_argument(
+        "--token", default=None, help=f"bearer token required on POST /score (default: ${TOKEN_ENV} if set)"
+    )
     ap.add_argument("--token-file", default=None, help="read the token from this file (first line)")
     ap.add_argument("--max-body-mb", type=float, default=64.0, help="largest accepted request body, MiB (413 above)")
     ap.add_argument("--max-batch", type=int, default=256, help="most images per request and per merged reward call")
     ap.add_argument("--max-pixels", type=int, default=4096 * 4096, help="largest accepted image, in pixels")
     ap.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long to wait to merge queued requests")
-    ap.add_argument("-o", "--option", action="append", default=[], type=_parse_option, metavar="KEY=VALUE",
-                    help="reward option (YAML value), e.g. -o model=/models/PickScore_v1 -o batch_size=16")
+    ap.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        type=_parse_option,
+        metavar="KEY=VALUE",
+        help="reward option (YAML value), e.g. -o model=/models/PickScore_v1 -o batch_size=16",
+    )
     try:
         args = ap.parse_args(list(argv) if argv is not None else None)
     except SystemExit as e:
@@ -358,16 +401,31 @@ def main_serve(argv: Sequence[str] | None = None) -> int:
             print(f"error: --token-file: {e}", file=sys.stderr)
             return 2
     if not is_loopback(args.host) and token is None:
-        print(f"warning: serving '{args.name}' on {args.host} without a token: anyone who can reach the port can use it",
-              file=sys.stderr)
+        print(
+            f"warning: serving '{args.name}' on {args.host} without a token: anyone who can reach the port can use it",
+            file=sys.stderr,
+        )
     try:
-        srv = serve_reward(args.name, host=args.host, port=args.port, token=token, max_body_bytes=int(args.max_body_mb * (1 << 20)),
-                           options=dict(args.option), block=False, max_batch=args.max_batch, max_pixels=args.max_pixels,
-                           batch_wait_s=args.batch_wait_ms / 1000)
+        srv = serve_reward(
+            args.name,
+            host=args.host,
+            port=args.port,
+            token=token,
+            max_body_bytes=int(args.max_body_mb * (1 << 20)),
+            options=dict(args.option),
+            block=False,
+            max_batch=args.max_batch,
+            max_pixels=args.max_pixels,
+            batch_wait_s=args.batch_wait_ms / 1000,
+        )
     except (ValueError, TypeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"serving reward '{args.name}' at {srv.url} (POST /score, GET /health){' with a bearer token' if token else ''}", flush=True)
+    print(
+        f"serving reward '{args.name}' at {srv.url} (POST /score, GET "
+        f"/health){' with a bearer token' if token else ''}",
+        flush=True,
+    )
     try:
         while True:
             time.sleep(3600)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -25,19 +26,22 @@ class ShapesReward:
 
     def __init__(self, score: str = "dense", **kwargs: Any):
         if kwargs:
-            raise ValueError(f"reward 'shapes' takes only the option 'score' ({'|'.join(self.SCORES)}), got {sorted(kwargs)}")
+            raise ValueError(f"reward 'shapes' takes only the option 'score' ({'|'.join(self.SCORES)}), got "
+                             f"{sorted(kwargs)}")
         if score not in self.SCORES:
             raise ValueError(f"reward.options.score: unknown value '{score}'; use one of {', '.join(self.SCORES)}")
         self.score = score
 
-    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any) -> RewardOutput:
+    def __call__(
+        self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any
+    ) -> RewardOutput:
         from ..shapes.verifier import verify_batch
 
         for i, m in enumerate(metadata):
             if not m or "include" not in m:
                 raise ValueError(
-                    f"reward 'shapes' needs GenEval-schema metadata for every prompt, prompt {i} ('{prompts[i]}') has none; "
-                    "use a .jsonl prompt file (e.g. shapes:train) or another reward"
+                    f"reward 'shapes' needs GenEval-schema metadata for every prompt, prompt {i} ('{prompts[i]}') has "
+                    "none; use a .jsonl prompt file (e.g. shapes:train) or another reward"
                 )
         results = verify_batch(to_uint8_hwc(images).numpy(), list(metadata))
         f = lambda xs: torch.tensor(xs, dtype=torch.float32)  # noqa: E731

@@ -25,14 +25,14 @@ import io
 import json
 import random
 import re
-import socket
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,14 +44,11 @@ from .base import Reward, RewardError, RewardOutput, check_inputs, to_uint8_hwc
 # `unifiedreward_score_sglang` (UnifiedReward's own inference format).
 UNIFIEDREWARD_TEMPLATE = (
     "You are given a text caption and a generated image based on that caption. Your task is to evaluate this image "
-    "based on two key criteria:\n"
-    "1. Alignment with the Caption: Assess how well this image aligns with the provided caption. Consider the accuracy "
-    "of depicted objects, their relationships, and attributes.\n"
-    "2. Overall Image Quality: Examine the visual quality including clarity, detail preservation, color accuracy, and "
-    "aesthetic appeal.\n"
-    "Assign a score from 1 to 5 after 'Final Score:'.\n"
-    "Your task is provided as follows:\n"
-    "Text Caption: [{prompt}]"
+    "based on two key criteria:\n1. Alignment with the Caption: Assess how well this image aligns with the provided "
+    "caption. Consider the accuracy of depicted objects, their relationships, and attributes.\n2. Overall Image "
+    "Quality: Examine the visual quality including clarity, detail preservation, color accuracy, and aesthetic "
+    "appeal.\nAssign a score from 1 to 5 after 'Final Score:'.\nYour task is provided as follows:\nText Caption: "
+    "[{prompt}]"
 )
 
 _SCORE = re.compile(r"final\s*score\s*[:：]\s*\**\s*([-+]?\d+(?:\.\d+)?)", re.IGNORECASE)
@@ -115,12 +112,29 @@ class VLMJudgeReward(Reward):
 
     name = "vlm"
 
-    def __init__(self, url: str = "http://127.0.0.1:17140/v1", model: str = "UnifiedReward-7b-v1.5", api_key: str | None = None,
-                 template: str = UNIFIEDREWARD_TEMPLATE, image_size: int | None = 512, scale: float = 5.0,
-                 score_range: Sequence[float] = (1.0, 5.0), max_concurrency: int = 8, timeout: float = 60.0,
-                 max_retries: int = 3, backoff: float = 1.0, backoff_max: float = 30.0, jitter: float = 0.1,
-                 budget_s: float = 600.0, temperature: float = 0.0, max_tokens: int | None = None,
-                 cache_size: int = 4096, on_failure: str = "raise", failure_score: float = 0.0, seed: int = 0):
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:17140/v1",
+        model: str = "UnifiedReward-7b-v1.5",
+        api_key: str | None = None,
+        template: str = UNIFIEDREWARD_TEMPLATE,
+        image_size: int | None = 512,
+        scale: float = 5.0,
+        score_range: Sequence[float] = (1.0, 5.0),
+        max_concurrency: int = 8,
+        timeout: float = 60.0,
+        max_retries: int = 3,
+        backoff: float = 1.0,
+        backoff_max: float = 30.0,
+        jitter: float = 0.1,
+        budget_s: float = 600.0,
+        temperature: float = 0.0,
+        max_tokens: int | None = None,
+        cache_size: int = 4096,
+        on_failure: str = "raise",
+        failure_score: float = 0.0,
+        seed: int = 0,
+    ):
         if on_failure not in ("raise", "score"):
             raise ValueError(f"reward 'vlm': on_failure must be 'raise' or 'score', got {on_failure!r}")
         if "{prompt}" not in template:
@@ -132,7 +146,12 @@ class VLMJudgeReward(Reward):
         self.image_size, self.scale = image_size, float(scale)
         self.lo, self.hi = float(score_range[0]), float(score_range[1])
         self.max_concurrency, self.timeout, self.max_retries = int(max_concurrency), float(timeout), int(max_retries)
-        self.backoff, self.backoff_max, self.jitter, self.budget_s = float(backoff), float(backoff_max), float(jitter), float(budget_s)
+        self.backoff, self.backoff_max, self.jitter, self.budget_s = (
+            float(backoff),
+            float(backoff_max),
+            float(jitter),
+            float(budget_s),
+        )
         self.temperature, self.max_tokens = temperature, max_tokens
         self.on_failure, self.failure_score = on_failure, float(failure_score)
         self.cache_size = int(cache_size)
@@ -146,10 +165,15 @@ class VLMJudgeReward(Reward):
         data_url = "data:image/png;base64," + base64.b64encode(png).decode("ascii")
         body: dict[str, Any] = {
             "model": self.model,
-            "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": data_url}},
-                {"type": "text", "text": self.template.replace("{prompt}", prompt)},
-            ]}],
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": data_url}},
+                        {"type": "text", "text": self.template.replace("{prompt}", prompt)},
+                    ],
+                }
+            ],
             "temperature": self.temperature,
         }
         if self.max_tokens is not None:
@@ -169,7 +193,7 @@ class VLMJudgeReward(Reward):
             if e.code in (408, 429) or e.code >= 500:
                 raise _Retryable(f"HTTP {e.code}: {detail}") from None
             raise VLMJudgeError(f"VLM endpoint {self.url} refused the request: HTTP {e.code}: {detail}") from None
-        except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError, http.client.HTTPException, OSError) as e:
+        except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException, OSError) as e:
             raise _Retryable(f"{type(e).__name__}: {getattr(e, 'reason', e)}") from None
         try:
             return json.loads(raw)["choices"][0]["message"]["content"] or ""
@@ -177,20 +201,32 @@ class VLMJudgeReward(Reward):
             raise _Retryable(f"not a chat-completion reply: {raw[:200]!r}") from None
 
     def _delay(self, attempt: int) -> float:
-        d = min(self.backoff_max, self.backoff * (2 ** attempt))
+        d = min(self.backoff_max, self.backoff * (2**attempt))
         with self._lock:
             return d * (1 + self.jitter * (2 * self._rng.random() - 1))
 
-    def _score_one(self, png: bytes, prompt: str, deadline: float, stop: threading.Event) -> tuple[float | None, str, int, str | None]:
+    def _score_one(
+        self, png: bytes, prompt: str, deadline: float, stop: threading.Event
+    ) -> tuple[float | None, str, int, str | None]:
         """→ (raw score or None, reply text, attempts, error). Raises VLMJudgeError on a non-retryable refusal."""
         payload = self._payload(png, prompt)
         last, text = "", ""
         for attempt in range(self.max_retries + 1):
             remaining = deadline - time.monotonic()
             if stop.is_set():
-                return None, text, attempt, f"stopped after {attempt} attempts because another image of the batch failed; last error: {last}"
+                return (
+                    None,
+                    text,
+                    attempt,
+                    f"stopped after {attempt} attempts because another image of the batch failed; last error: {last}",
+                )
             if remaining <= 0:
-                return None, text, attempt, f"budget of {self.budget_s:g} s exhausted after {attempt} attempts; last error: {last}"
+                return (
+                    None,
+                    text,
+                    attempt,
+                    f"budget of {self.budget_s:g} s exhausted after {attempt} attempts; last error: {last}",
+                )
             try:
                 text = self._request(payload, min(self.timeout, remaining))
                 score = parse_final_score(text, self.lo, self.hi)
@@ -202,12 +238,19 @@ class VLMJudgeReward(Reward):
             if attempt < self.max_retries:
                 d = self._delay(attempt)
                 if time.monotonic() + d >= deadline:
-                    return None, text, attempt + 1, f"budget of {self.budget_s:g} s exhausted after {attempt + 1} attempts; last error: {last}"
+                    return (
+                        None,
+                        text,
+                        attempt + 1,
+                        f"budget of {self.budget_s:g} s exhausted after {attempt + 1} attempts; last error: {last}",
+                    )
                 stop.wait(d)
         return None, text, self.max_retries + 1, f"gave up after {self.max_retries + 1} attempts; last error: {last}"
 
     # ------------------------------------------------------------------------------------------ batch
-    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any) -> RewardOutput:
+    def __call__(
+        self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any
+    ) -> RewardOutput:
         b = check_inputs(self.name, images, prompts, None)
         deadline = time.monotonic() + self.budget_s
         pngs = [png_bytes(a, self.image_size) for a in to_uint8_hwc(images).numpy()]
@@ -240,8 +283,10 @@ class VLMJudgeReward(Reward):
         failed = [i for i in range(b) if raw[i] is None]
         if failed and self.on_failure == "raise":
             i = failed[0]
-            raise VLMJudgeError(f"VLM judge at {self.url} gave no score for image {i} (prompt {prompts[i]!r}): "
-                                f"{errors[i] or 'stopped after another image failed'} ({len(failed)}/{b} images failed)")
+            raise VLMJudgeError(
+                f"VLM judge at {self.url} gave no score for image {i} (prompt {prompts[i]!r}): "
+                f"{errors[i] or 'stopped after another image failed'} ({len(failed)}/{b} images failed)"
+            )
         with self._lock:
             for i in todo:
                 if raw[i] is not None and self.cache_size > 0:
@@ -252,8 +297,11 @@ class VLMJudgeReward(Reward):
         r = torch.tensor([v if v is not None else float("nan") for v in raw], dtype=torch.float32)
         fail = torch.isnan(r)
         scores = torch.where(fail, torch.full_like(r, self.failure_score), r / self.scale)
-        return RewardOutput(scores, {"raw": torch.nan_to_num(r, nan=0.0), "vlm_failed": fail.float()},
-                            {"replies": replies, "attempts": attempts, "errors": errors, "cache_hits": hits})
+        return RewardOutput(
+            scores,
+            {"raw": torch.nan_to_num(r, nan=0.0), "vlm_failed": fail.float()},
+            {"replies": replies, "attempts": attempts, "errors": errors, "cache_hits": hits},
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

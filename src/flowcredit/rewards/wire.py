@@ -29,7 +29,8 @@ import binascii
 import io
 import json
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -123,7 +124,7 @@ def _decode_safetensors(data: Any, max_pixels: int) -> Tensor:
     raw = _b64(data, "images.data")
     try:
         tensors = load(raw)
-    except Exception as e:  # safetensors raises its own error types for malformed headers
+    except Exception as e:  # noqa: BLE001  (safetensors raises its own error types for malformed headers)
         raise WireError(422, f"images.data is not a valid safetensors file: {e}") from None
     if set(tensors) != {"images"}:
         raise WireError(422, f"the safetensors file must hold exactly one tensor 'images', got {sorted(tensors)}")
@@ -145,7 +146,9 @@ def _decode_safetensors(data: Any, max_pixels: int) -> Tensor:
     return t
 
 
-def decode_request(body: bytes, max_pixels: int = 4096 * 4096, max_batch: int = 4096) -> tuple[Tensor, list[str], list[dict[str, Any]]]:
+def decode_request(
+    body: bytes, max_pixels: int = 4096 * 4096, max_batch: int = 4096
+) -> tuple[Tensor, list[str], list[dict[str, Any]]]:
     """Validate and decode a /score body → (images (B,3,H,W) float, prompts, metadata). Raises WireError."""
     if looks_like_pickle(body):
         raise WireError(400, "pickle payloads are refused: send JSON (schema flowcredit.reward.v1, see GET /schema)")
@@ -205,18 +208,22 @@ def _jsonable(x: Any, depth: int = 0) -> Any:
 
         try:
             return _jsonable(asdict(x), depth + 1)
-        except Exception:
+        except Exception:  # noqa: BLE001  (asdict deep-copies every field, which may raise anything: use str)
             pass
     return str(x)
 
 
 def encode_response(name: str, out: RewardOutput, elapsed: float) -> bytes:
-    return json.dumps({
-        "schema": SCHEMA, "reward": name,
-        "scores": [float(v) for v in out.scores.tolist()],
-        "components": {k: [float(x) for x in v.tolist()] for k, v in out.components.items()},
-        "info": _jsonable(out.info), "elapsed_s": elapsed,
-    }).encode()
+    return json.dumps(
+        {
+            "schema": SCHEMA,
+            "reward": name,
+            "scores": [float(v) for v in out.scores.tolist()],
+            "components": {k: [float(x) for x in v.tolist()] for k, v in out.components.items()},
+            "info": _jsonable(out.info),
+            "elapsed_s": elapsed,
+        }
+    ).encode()
 
 
 def decode_response(body: bytes, batch: int) -> RewardOutput:

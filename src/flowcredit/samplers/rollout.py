@@ -8,7 +8,8 @@ Gaussian policy of ``samplers.sde`` (ALGORITHMS.md §1.5). Everything runs under
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor

@@ -18,8 +18,8 @@ policy π(x_next | x_t) = N(mean, std²·I). All math runs in fp32 (inputs are u
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor

@@ -44,7 +44,7 @@ circles); without the moment templates 17/600.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import numpy as np
 from scipy import ndimage
@@ -71,7 +71,8 @@ BASE_INSETS: tuple[tuple[float, float, float, float], ...] = (
 SHRINKS: tuple[tuple[float, float, float, float], ...] = (
     (0.0, 0.0, 0.0, 0.0),
     (1.0, 0.0, 0.0, 0.0), (0.0, 1.0, 0.0, 0.0), (0.0, 0.0, 1.0, 0.0), (0.0, 0.0, 0.0, 1.0),
-    (1.0, 1.0, 0.0, 0.0), (0.0, 0.0, 1.0, 1.0), (1.0, 0.0, 1.0, 0.0), (1.0, 0.0, 0.0, 1.0), (0.0, 1.0, 1.0, 0.0), (0.0, 1.0, 0.0, 1.0),
+    (1.0, 1.0, 0.0, 0.0), (0.0, 0.0, 1.0, 1.0), (1.0, 0.0, 1.0, 0.0), (1.0, 0.0, 0.0, 1.0),
+    (0.0, 1.0, 1.0, 0.0), (0.0, 1.0, 0.0, 1.0),
 )  # fmt: skip
 # Sharp (σ = 0) templates use every base inset combined with every shrink (44 boxes); blurred templates use the base
 # insets, at the plain box and extended by σ/2 per side (blur eats corners, which shrinks the thresholded box).
@@ -115,7 +116,7 @@ class DetectorConfig:
     moment_templates: bool = True
 
     @classmethod
-    def for_world(cls, world: World, **overrides) -> "DetectorConfig":
+    def for_world(cls, world: World, **overrides) -> DetectorConfig:
         """Config for a World: its shapes, and min_area ≈ 25% of the smallest ground-truth object's area."""
         s_min = min(world.size_range_crowded[0], world.size_range[0])
         smallest = min(_shape_fill(s) for s in world.shapes) * (2.0 * s_min) ** 2
@@ -124,7 +125,7 @@ class DetectorConfig:
         return cls(**kw)
 
 
-@lru_cache(maxsize=None)
+@cache
 def config_for_resolution(resolution: int) -> DetectorConfig:
     """The default detector config of the shapes World at this resolution (32 or 64)."""
     return DetectorConfig.for_world(get_world(resolution))
@@ -168,7 +169,9 @@ class Detections:
         return {k: [d.as_detail() for d in v] for k, v in self.detected.items()}
 
 
-def unmix(image: np.ndarray, alpha_min: float = 0.49, residual_max: float = 60.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def unmix(
+    image: np.ndarray, alpha_min: float = 0.49, residual_max: float = 60.0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-pixel background unmixing against every palette colour.
 
     Returns:
@@ -212,7 +215,9 @@ def _templates(shapes: tuple[str, ...], h: int, w: int, sigmas: tuple[float, ...
         for (il, ir, it, ib), sigma, g in _template_variants(sigmas):
             x0, x1 = il - g, w - ir + g
             y0, y1 = it - g, h - ib + g
-            cov = coverage(shape, (x0 + x1) / 2 + pad, (y0 + y1) / 2 + pad, (x1 - x0) / 2, (y1 - y0) / 2, h + 2 * pad, w + 2 * pad)
+            cov = coverage(
+                shape, (x0 + x1) / 2 + pad, (y0 + y1) / 2 + pad, (x1 - x0) / 2, (y1 - y0) / 2, h + 2 * pad, w + 2 * pad
+            )
             if sigma > 0:
                 cov = ndimage.gaussian_filter(cov, sigma, mode="constant")
             masks.append((cov[pad : pad + h, pad : pad + w] >= 0.5).reshape(-1))
@@ -222,7 +227,7 @@ def _templates(shapes: tuple[str, ...], h: int, w: int, sigmas: tuple[float, ...
     return t, t.sum(axis=1), np.asarray(shape_idx), np.asarray(pen)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _unit_moments(shape: str) -> tuple[float, float, float]:
     """(centroid v, variance of u, variance of v) of the unit shape in its [−1, 1]² box (v down)."""
     n = 400
@@ -267,7 +272,9 @@ def _moment_scores(mask: np.ndarray, soft: np.ndarray, config: DetectorConfig, p
     return out
 
 
-def classify(mask: np.ndarray, config: DetectorConfig, soft: np.ndarray | None = None) -> tuple[str | None, float, dict[str, float]]:
+def classify(
+    mask: np.ndarray, config: DetectorConfig, soft: np.ndarray | None = None
+) -> tuple[str | None, float, dict[str, float]]:
     """Best shape for a box-local component mask by template IoU.
 
     Args:
@@ -293,7 +300,9 @@ def classify(mask: np.ndarray, config: DetectorConfig, soft: np.ndarray | None =
     return (best if per_shape[best] >= config.iou_min else None), per_shape[best], per_shape
 
 
-def _soft_window(img: np.ndarray, cc: np.ndarray, idx: int, labels: np.ndarray, k: int, y0: int, y1: int, x0: int, x1: int) -> np.ndarray:
+def _soft_window(
+    img: np.ndarray, cc: np.ndarray, idx: int, labels: np.ndarray, k: int, y0: int, y1: int, x0: int, x1: int
+) -> np.ndarray:
     # α of colour k on the box grown by one pixel (the component is never on the border here), kept on the
     # component and on its background ring pixels (anti-aliased edges), zero elsewhere.
     win = (slice(y0 - 1, y1 + 1), slice(x0 - 1, x1 + 1))
@@ -375,4 +384,13 @@ def detect(image: np.ndarray, config: DetectorConfig | None = None) -> Detection
     return Detections(detected, unknown, border, junk / float(H * W), n_specks)
 
 
-__all__ = ["Blob", "DetectorConfig", "Detections", "OFF_PALETTE", "classify", "config_for_resolution", "detect", "unmix"]
+__all__ = [
+    "Blob",
+    "DetectorConfig",
+    "Detections",
+    "OFF_PALETTE",
+    "classify",
+    "config_for_resolution",
+    "detect",
+    "unmix",
+]

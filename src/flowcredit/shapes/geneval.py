@@ -25,8 +25,9 @@ changes between runs; we list them in the fixed order left of, right of, above, 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -129,7 +130,8 @@ def evaluate(
                             rels, _ = relative_position(obj.box, target.box, position_threshold)
                             if expected_rel not in rels:
                                 correct = matched = False
-                                reason.append(f"expected {classname} {expected_rel} target, found {_rels_text(rels)} target")
+                                reason.append(f"expected {classname} {expected_rel} target, found {_rels_text(rels)} "
+                                              "target")
                                 break
                         if not matched:
                             break
@@ -188,7 +190,9 @@ def summarize(results: Iterable[Any], keys: Sequence[str] = ("correct", "strict"
         per_tag: dict[str, list[bool]] = {}
         for t, v in zip(tags, vals_b):
             per_tag.setdefault(t, []).append(v)
-        tag_stats = {t: {"accuracy": float(np.mean(v)), "correct": int(sum(v)), "total": len(v)} for t, v in per_tag.items()}
+        tag_stats = {
+            t: {"accuracy": float(np.mean(v)), "correct": int(sum(v)), "total": len(v)} for t, v in per_tag.items()
+        }
         out[key] = {
             "images": float(np.mean(vals_b)),
             "prompts": float(np.mean(list(per_prompt.values()))),

@@ -16,9 +16,10 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -74,7 +75,10 @@ def enumerate_tag(tag: str, world: World) -> list[dict[str, Any]]:
     if tag == "single_object":
         out = [make_record(tag, [{"class": s, "count": 1}]) for s in S]
     elif tag == "two_object":
-        out = [make_record(tag, [{"class": a, "count": 1}, {"class": b, "count": 1}]) for a, b in itertools.permutations(S, 2)]
+        out = [
+            make_record(tag, [{"class": a, "count": 1}, {"class": b, "count": 1}])
+            for a, b in itertools.permutations(S, 2)
+        ]
     elif tag == "counting":
         out = [make_record(tag, [{"class": s, "count": n}]) for s in S for n in (2, 3, 4)]
     elif tag == "colors":
@@ -104,7 +108,7 @@ class SplitSpec:
     heldout_color_pairs: int = 8  # (shape, colour) pairs never seen in train (of 40 at 32 px)
     heldout_position_triples: int = 10  # (A, relation, B) triples never seen in train (of 48 at 32 px)
     color_attr_test: int = 100  # unique color_attr test prompts
-    lines_per_tag: int = 80  # test_metadata.jsonl repeats every test prompt ceil(80 / n_tag) times (≥ 80 lines per tag)
+    lines_per_tag: int = 80
 
 
 def _pairs(rec: dict[str, Any]) -> set[tuple[str, str]]:
@@ -178,7 +182,9 @@ def is_unseen(record: dict[str, Any], splits: dict[str, Any]) -> bool:
     return False
 
 
-def write_prompt_files(out_dir: str | os.PathLike, resolution: int = 32, spec: SplitSpec = SplitSpec()) -> dict[str, Path]:
+def write_prompt_files(
+    out_dir: str | os.PathLike, resolution: int = 32, spec: SplitSpec = SplitSpec()
+) -> dict[str, Path]:
     """Write GenEval files (`evaluation_metadata.jsonl`, `generation_prompts.txt`) and flow_grpo-style
     `train_metadata.jsonl` / `test_metadata.jsonl` for the shapes benchmark."""
     out = Path(out_dir)
@@ -227,25 +233,41 @@ def validate_record(rec: Any, where: str) -> dict[str, Any]:
             raise PromptFileError(f"{where}: key 'tag' must be a string (one of {', '.join(TAGS)})")
         inc = rec.get("include")
         if not isinstance(inc, list) or not inc:
-            raise PromptFileError(f"{where}: key 'include' must be a non-empty list of {{class, count, color?, position?}}")
+            raise PromptFileError(
+                f"{where}: key 'include' must be a non-empty list of {{class, count, color?, position?}}"
+            )
         for k, cl in enumerate(inc):
             if not isinstance(cl, dict):
                 raise PromptFileError(f"{where}: include[{k}] must be an object")
             extra = set(cl) - _CLAUSE_KEYS
             if extra:
-                raise PromptFileError(f"{where}: include[{k}] has unknown key '{sorted(extra)[0]}' (valid: class, count, color, position)")
+                raise PromptFileError(
+                    f"{where}: include[{k}] has unknown key '{sorted(extra)[0]}' (valid: class, count, color, "
+                    "position)"
+                )
             if not isinstance(cl.get("class"), str):
                 raise PromptFileError(f"{where}: include[{k}].class must be a string")
             if not isinstance(cl.get("count"), int) or cl["count"] < 1:
                 raise PromptFileError(f"{where}: include[{k}].count must be a positive integer")
             pos = cl.get("position")
             if pos is not None:
-                if not (isinstance(pos, list) and len(pos) == 2 and pos[0] in RELATIONS and isinstance(pos[1], int) and 0 <= pos[1] < k):
+                if not (
+                    isinstance(pos, list)
+                    and len(pos) == 2
+                    and pos[0] in RELATIONS
+                    and isinstance(pos[1], int)
+                    and 0 <= pos[1] < k
+                ):
                     raise PromptFileError(
-                        f"{where}: include[{k}].position must be [relation, earlier_index] with relation in {list(RELATIONS)}"
+                        f"{where}: include[{k}].position must be [relation, earlier_index] with relation in "
+                        f"{list(RELATIONS)}"
                     )
         for k, cl in enumerate(rec.get("exclude", []) or []):
-            if not isinstance(cl, dict) or not isinstance(cl.get("class"), str) or not isinstance(cl.get("count"), int):
+            if (
+                not isinstance(cl, dict)
+                or not isinstance(cl.get("class"), str)
+                or not isinstance(cl.get("count"), int)
+            ):
                 raise PromptFileError(f"{where}: exclude[{k}] must be {{class: str, count: int}}")
     return rec
 
@@ -282,7 +304,9 @@ def read_prompt_file(path: str | os.PathLike) -> PromptSet:
     """
     p = Path(path)
     if not p.exists():
-        raise PromptFileError(f"prompt file '{p}' does not exist; pass an existing .jsonl/.txt file or a split like shapes:train")
+        raise PromptFileError(
+            f"prompt file '{p}' does not exist; pass an existing .jsonl/.txt file or a split like shapes:train"
+        )
     text = p.read_text(encoding="utf-8")
     prompts: list[str] = []
     meta: list[dict[str, Any]] = []
@@ -293,7 +317,9 @@ def read_prompt_file(path: str | os.PathLike) -> PromptSet:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise PromptFileError(f"{p}:{ln}: invalid JSON ({e.msg} at column {e.colno}); one JSON object per line") from None
+                raise PromptFileError(
+                    f"{p}:{ln}: invalid JSON ({e.msg} at column {e.colno}); one JSON object per line"
+                ) from None
             rec = validate_record(rec, f"{p}:{ln}")
             prompts.append(rec["prompt"])
             meta.append(rec)
@@ -304,7 +330,9 @@ def read_prompt_file(path: str | os.PathLike) -> PromptSet:
                 prompts.append(s)
                 meta.append({})
     if not prompts:
-        raise PromptFileError(f"prompt file '{p}' has no prompts; write one prompt per line (.txt) or one JSON record per line (.jsonl)")
+        raise PromptFileError(
+            f"prompt file '{p}' has no prompts; write one prompt per line (.txt) or one JSON record per line (.jsonl)"
+        )
     return PromptSet(prompts, meta, str(p))
 
 
@@ -323,12 +351,15 @@ def load_prompts(spec: str) -> PromptSet:
             tags = tag_list.split(",")
             bad = [t for t in tags if t not in TAGS]
             if bad:
-                raise PromptFileError(f"unknown tag '{bad[0]}' in prompt split '{spec}'; valid tags: {', '.join(TAGS)}")
+                raise PromptFileError(
+                    f"unknown tag '{bad[0]}' in prompt split '{spec}'; valid tags: {', '.join(TAGS)}"
+                )
         res = {"shapes": 32, "shapes32": 32, "shapes64": 64}.get(world_name)
         valid = ("train", "test", "test_unique")
         if res is None or split not in valid:
             raise PromptFileError(
-                f"unknown prompt split '{spec}'; use shapes:train, shapes:test, shapes:test_unique (or shapes64:...) or a file path"
+                f"unknown prompt split '{spec}'; use shapes:train, shapes:test, shapes:test_unique (or shapes64:...) "
+                "or a file path"
             )
         splits = make_splits(res)
         recs = {"train": splits["train"], "test": splits["test_lines"], "test_unique": splits["test"]}[split]

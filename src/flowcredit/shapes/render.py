@@ -11,8 +11,9 @@ Coordinates: x to the right, y DOWN (image convention, as GenEval's boxes). Pixe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -54,7 +55,9 @@ def inside(shape: str, u: np.ndarray, v: np.ndarray) -> np.ndarray:
     raise ValueError(f"unknown shape '{shape}'; valid shapes: circle, square, triangle, cross, diamond")
 
 
-def coverage(shape: str, cx: float, cy: float, sx: float, sy: float, height: int, width: int, ss: int = 4) -> np.ndarray:
+def coverage(
+    shape: str, cx: float, cy: float, sx: float, sy: float, height: int, width: int, ss: int = 4
+) -> np.ndarray:
     """Anti-aliased coverage α ∈ [0, 1] of one shape on an (height, width) pixel grid.
 
     Args:
@@ -103,7 +106,9 @@ def render_objects(objects: Sequence[Obj], resolution: int, ss: int = 4) -> np.n
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def relative_position(box_a: Sequence[float], box_b: Sequence[float], threshold: float = 0.1) -> tuple[set[str], tuple[float, float]]:
+def relative_position(
+    box_a: Sequence[float], box_b: Sequence[float], threshold: float = 0.1
+) -> tuple[set[str], tuple[float, float]]:
     """GenEval's `relative_position(A, B)` on [x0, y0, x1, y1] boxes (SHAPES_BENCHMARK.md §1.3).
 
     Returns:
@@ -134,7 +139,9 @@ RELATION_AXIS = {"left of": (0, -1.0), "right of": (0, 1.0), "above": (1, -1.0),
 POSITION_MARGIN = 0.7  # ground truth needs the normalised offset ≥ 0.7 along the relation axis (GenEval needs 0.5)
 
 
-def _boxes_ok(boxes: list[tuple[float, float, float, float]], new: tuple[float, float, float, float], gap: float) -> bool:
+def _boxes_ok(
+    boxes: list[tuple[float, float, float, float]], new: tuple[float, float, float, float], gap: float
+) -> bool:
     for b in boxes:
         # max-norm gap between boxes: separated along x or y by at least `gap`
         sep_x = max(b[0] - new[2], new[0] - b[2])
@@ -213,7 +220,9 @@ def record_rng(seed: int, index: int, sample: int = 0) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([int(seed), int(index), int(sample)]))
 
 
-def render_record(record: dict[str, Any], seed: int = 0, index: int = 0, sample: int = 0, resolution: int = 32) -> np.ndarray:
+def render_record(
+    record: dict[str, Any], seed: int = 0, index: int = 0, sample: int = 0, resolution: int = 32
+) -> np.ndarray:
     """Render one ground-truth image for a GenEval-schema record. Same arguments → same bytes.
 
     Returns:

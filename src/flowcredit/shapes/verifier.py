@@ -28,8 +28,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -136,7 +137,8 @@ def score_detections(det: Detections, record: Mapping[str, Any]) -> VerifyResult
     if n_extra:
         problems.append("extra objects: " + ", ".join(f"{k}x{v}" for k, v in extras.items()))
     if det.unknown:
-        problems.append(f"{len(det.unknown)} unknown blob(s) (" + ", ".join(sorted({b.kind for b in det.unknown})) + ")")
+        kinds = ", ".join(sorted({b.kind for b in det.unknown}))
+        problems.append(f"{len(det.unknown)} unknown blob(s) ({kinds})")
     if det.border:
         problems.append(f"{len(det.border)} border blob(s)")
     if det.junk_area_fraction > 0:
@@ -179,7 +181,9 @@ def verify(image: np.ndarray, record: Mapping[str, Any], config: DetectorConfig 
     """
     img = np.asarray(image)
     if img.ndim != 3 or img.shape[2] != 3 or img.dtype != np.uint8:
-        raise ValueError(f"verify expects a uint8 (H, W, 3) image, got {img.dtype} {img.shape}; use verify_batch for tensors")
+        raise ValueError(
+            f"verify expects a uint8 (H, W, 3) image, got {img.dtype} {img.shape}; use verify_batch for tensors"
+        )
     if img.shape[0] != img.shape[1]:
         raise ValueError(f"shapes-world images are square, got {img.shape[0]}x{img.shape[1]}")
     world = get_world(img.shape[0])
@@ -224,7 +228,9 @@ def to_uint8_images(images: Any) -> list[np.ndarray]:
     return out
 
 
-def verify_batch(images: Any, records: Sequence[Mapping[str, Any]], config: DetectorConfig | None = None) -> list[VerifyResult]:
+def verify_batch(
+    images: Any, records: Sequence[Mapping[str, Any]], config: DetectorConfig | None = None
+) -> list[VerifyResult]:
     """Verify a batch (see `to_uint8_images` for accepted inputs); one record per image."""
     imgs = to_uint8_images(images)
     if len(imgs) != len(records):

@@ -17,7 +17,9 @@ class PromptSampler:
     so a split dominated by one tag (shapes: 640 of 738 train prompts are color_attr) still trains every skill.
     """
 
-    def __init__(self, prompts: PromptSet, seed: int, balance_tags: bool = True, tag_weights: dict[str, float] | None = None):
+    def __init__(
+        self, prompts: PromptSet, seed: int, balance_tags: bool = True, tag_weights: dict[str, float] | None = None
+    ):
         """`tag_weights` (with balance_tags): relative probability of each tag (missing tags: 1, 0: never drawn).
 
         Raises ValueError (one line) for a tag the prompts do not have or weights that leave nothing to draw.
@@ -34,7 +36,8 @@ class PromptSampler:
             unknown = sorted(set(tag_weights) - set(self.tags))
             if unknown:
                 raise ValueError(
-                    f"data.tag_weights: tag {unknown[0]!r} is not in {prompts.source}; its tags: {', '.join(self.tags)}"
+                    f"data.tag_weights: tag {unknown[0]!r} is not in {prompts.source}; its tags: "
+                    f"{', '.join(self.tags)}"
                 )
             w = np.array([float(tag_weights.get(t, 1.0)) for t in self.tags])
             if w.sum() <= 0:
@@ -44,7 +47,11 @@ class PromptSampler:
     def draw(self, num_prompts: int, group_size: int) -> tuple[list[str], list[dict[str, Any]], torch.Tensor]:
         """Returns B = num_prompts·group_size prompts, metadata and group ids (B,) int64 (group-major order)."""
         idx = []
-        ks = self.rng.integers(len(self.tags), size=num_prompts) if self.p is None else self.rng.choice(len(self.tags), size=num_prompts, p=self.p)
+        ks = (
+            self.rng.integers(len(self.tags), size=num_prompts)
+            if self.p is None
+            else self.rng.choice(len(self.tags), size=num_prompts, p=self.p)
+        )
         for k in ks:
             pool = self.by_tag[self.tags[k]]
             idx.append(pool[int(self.rng.integers(len(pool)))])

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,7 +49,9 @@ GRAD_BUCKET_NUMEL = 1 << 24  # 16 M elements (64 MB fp32) per gradient all-reduc
 
 def derived_generator(seed: int, stream: int, iteration: int, index: int = 0) -> torch.Generator:
     """A CPU torch.Generator seeded by (seed, stream, iteration, index): the same on every rank and every layout."""
-    s = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(stream), int(iteration), int(index)]).generate_state(2, np.uint32)
+    s = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(stream), int(iteration), int(index)]).generate_state(
+        2, np.uint32
+    )
     return torch.Generator(device="cpu").manual_seed(int(s[0]) << 31 ^ int(s[1]))
 
 
@@ -61,13 +64,17 @@ class Dist:
     def __init__(self, accelerator: Any = None, device: torch.device | str = "cpu"):
         self.acc = accelerator
         if accelerator is not None:
-            self.rank, self.world_size, self.device = accelerator.process_index, accelerator.num_processes, accelerator.device
+            self.rank, self.world_size, self.device = (
+                accelerator.process_index,
+                accelerator.num_processes,
+                accelerator.device,
+            )
         else:
             self.rank, self.world_size, self.device = 0, 1, torch.device(device)
         self.fsdp = False  # set by ``apply_fsdp``: the network is sharded and FSDP reduces its gradients
 
     @classmethod
-    def create(cls, enabled: bool | None, device: str) -> "Dist":
+    def create(cls, enabled: bool | None, device: str) -> Dist:
         """``enabled`` None = on when the launcher set WORLD_SIZE > 1 (torchrun, accelerate launch)."""
         if enabled is None:
             enabled = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -95,9 +102,11 @@ class Dist:
         return self.is_main or self.fsdp
 
     def micro_batches(self, n_pairs: int, micro_batch: int) -> int:
-        """How many micro-batches this rank runs for its ``n_pairs`` pairs of one optimizer step: ⌈n_pairs/micro_batch⌉,
-        or under FSDP the max of that over ranks (every forward/backward of a sharded network is a collective, so a rank
-        with fewer pairs runs zero-weight padding passes; see ``GRPOTrainer.update``)."""
+        """How many micro-batches this rank runs for its ``n_pairs`` pairs of one optimizer step.
+
+        ⌈n_pairs/micro_batch⌉, or under FSDP the max of that over ranks (every forward/backward of a sharded network
+        is a collective, so a rank with fewer pairs runs zero-weight padding passes; see ``GRPOTrainer.update``).
+        """
         n = -(-n_pairs // micro_batch)
         return int(self.max([n])[0]) if self.fsdp else n
 
@@ -226,13 +235,13 @@ class Shard:
         return slice(self.start, self.stop)
 
     @classmethod
-    def create(cls, num_groups: int, group_size: int, rank: int, world_size: int, split_groups: bool) -> "Shard":
+    def create(cls, num_groups: int, group_size: int, rank: int, world_size: int, split_groups: bool) -> Shard:
         B = num_groups * group_size
         if num_groups % world_size != 0:
             if not split_groups or B % world_size != 0:
                 raise ValueError(
-                    f"data.prompts_per_iter={num_groups} groups cannot be shared evenly by {world_size} processes; use a "
-                    f"multiple of {world_size} (e.g. {world_size * max(1, round(num_groups / world_size))})"
+                    f"data.prompts_per_iter={num_groups} groups cannot be shared evenly by {world_size} processes; "
+                    f"use a multiple of {world_size} (e.g. {world_size * max(1, round(num_groups / world_size))})"
                     + ("" if split_groups else f", or dist.split_groups=true when B={B} is a multiple of {world_size}")
                 )
         return cls(num_groups, group_size, rank, world_size)
@@ -240,7 +249,7 @@ class Shard:
     def draw(self, sampler):
         """The global draw of the (shared, identically seeded) PromptSampler, cut to this rank's rows.
 
-        Returns (prompts, metadata, group_ids) of this rank, group ids GLOBAL (0 … P−1), so they are unique across ranks.
+        Returns (prompts, metadata, group_ids) of this rank, group ids GLOBAL (0 … P−1), so unique across ranks.
         """
         prompts, meta, gids = sampler.draw(self.num_groups, self.group_size)
         r = self.rows
@@ -295,7 +304,9 @@ def plan_update(
     if steps_per_sample > 0:
         pairs = []
         for b in range(B):
-            perm = torch.randperm(len(steps_ok), generator=derived_generator(seed, STREAM_STEP_SUBSET, iteration, b))[:steps_per_sample]
+            perm = torch.randperm(len(steps_ok), generator=derived_generator(seed, STREAM_STEP_SUBSET, iteration, b))[
+                :steps_per_sample
+            ]
             pairs += [(b, steps_ok[int(i)]) for i in perm]
     else:
         pairs = [(b, j) for b in range(B) for j in steps_ok]
@@ -304,12 +315,18 @@ def plan_update(
         pairs = [(b, j) for (b, j) in pairs if nz[b][j]]
     epochs = []
     for epoch in range(inner_epochs):
-        order = torch.randperm(len(pairs), generator=derived_generator(seed, STREAM_UPDATE_ORDER, iteration, epoch)).tolist()
+        order = torch.randperm(
+            len(pairs), generator=derived_generator(seed, STREAM_UPDATE_ORDER, iteration, epoch)
+        ).tolist()
         chunks = []
         for chunk in np.array_split(np.array(order, dtype=np.int64), updates_per_epoch):
             if len(chunk) == 0:
                 continue
-            mine = [(pairs[i][0] - shard.start, pairs[i][1]) for i in chunk.tolist() if shard.start <= pairs[i][0] < shard.stop]
+            mine = [
+                (pairs[i][0] - shard.start, pairs[i][1])
+                for i in chunk.tolist()
+                if shard.start <= pairs[i][0] < shard.stop
+            ]
             chunks.append((mine, len(chunk)))
         epochs.append(chunks)
     return len(pairs), epochs
@@ -350,7 +367,9 @@ def shard_network(net: torch.nn.Module, mesh) -> None:
             mod.set_force_sum_reduction_for_comms(True)
 
 
-def apply_fsdp(dist: Dist, model, ref_model=None, *, groups_per_rank_even: bool = True) -> list[torch.nn.Parameter] | None:
+def apply_fsdp(
+    dist: Dist, model, ref_model=None, *, groups_per_rank_even: bool = True
+) -> list[torch.nn.Parameter] | None:
     """``dist.fsdp``: shard ``model.net`` (and the frozen KL reference copy's ``net`` when given) over the processes.
 
     Returns the trainable parameters, now DTensor shards (FSDP2 replaces the registered parameters, so a list taken
@@ -364,8 +383,8 @@ def apply_fsdp(dist: Dist, model, ref_model=None, *, groups_per_rank_even: bool 
         return None
     if not groups_per_rank_even:
         raise ValueError(
-            f"dist.fsdp=true needs data.prompts_per_iter to be a multiple of the {dist.world_size} processes (every rank "
-            "must make the same network calls); dist.split_groups is not supported with FSDP"
+            f"dist.fsdp=true needs data.prompts_per_iter to be a multiple of the {dist.world_size} processes (every "
+            "rank must make the same network calls); dist.split_groups is not supported with FSDP"
         )
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -20,7 +20,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -75,12 +76,13 @@ class NonFiniteGuard:
         self.total += 1
         limit = f" of {self.max_consecutive}" if self.max_consecutive else ""
         if self.is_main:
-            print(f"ALARM: non-finite {what} at iteration {iteration}: update skipped ({self.consecutive}{limit} in a row, "
-                  f"{self.total} in total)", file=sys.stderr, flush=True)
+            print(f"ALARM: non-finite {what} at iteration {iteration}: update skipped ({self.consecutive}{limit} in a "
+                  f"row, {self.total} in total)", file=sys.stderr, flush=True)
         if self.max_consecutive and self.consecutive >= self.max_consecutive:
             raise RunStopped(
-                f"stopped at iteration {iteration}: {self.consecutive} consecutive updates skipped for NaN/Inf (last: {what}); "
-                "faults.max_nonfinite reached. The last checkpoint is intact; fix the cause (reward, lr, precision) and resume"
+                f"stopped at iteration {iteration}: {self.consecutive} consecutive updates skipped for NaN/Inf (last: "
+                f"{what}); faults.max_nonfinite reached. The last checkpoint is intact; fix the cause (reward, lr, "
+                "precision) and resume"
             )
         return {"nonfinite_skipped": self.total, "nonfinite_reason": what}
 
@@ -128,13 +130,13 @@ class RetryingCall:
                     break
                 delay = self.backoff * (2 ** attempt)
                 self.total_retries += 1
-                print(f"warning: {what} failed (attempt {attempt + 1} of {self.retries + 1}: {type(e).__name__}: {e}); "
-                      f"retrying in {delay:.3g} s", file=sys.stderr, flush=True)
+                print(f"warning: {what} failed (attempt {attempt + 1} of {self.retries + 1}: {type(e).__name__}: "
+                      f"{e}); retrying in {delay:.3g} s", file=sys.stderr, flush=True)
                 if delay > 0:
                     self.sleep(delay)
         raise RunStopped(
-            f"{what} failed {self.retries + 1} times (faults.reward_retries={self.retries}); last error: {type(last).__name__}: {last}. "
-            "The last checkpoint is intact; fix the reward and resume"
+            f"{what} failed {self.retries + 1} times (faults.reward_retries={self.retries}); last error: "
+            f"{type(last).__name__}: {last}. The last checkpoint is intact; fix the reward and resume"
         ) from last
 
 
@@ -156,7 +158,11 @@ class StopSignal:
             os.kill(os.getpid(), signum)
             return
         self.requested = name
-        print(f"received {name}: finishing this iteration, then checkpoint and exit (send again to abort now)", file=sys.stderr, flush=True)
+        print(
+            f"received {name}: finishing this iteration, then checkpoint and exit (send again to abort now)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def __enter__(self):
         if self.enabled and threading.current_thread() is threading.main_thread():

@@ -7,7 +7,7 @@ arithmetic as without them; each trades host↔device copies or recomputation fo
 from __future__ import annotations
 
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -101,7 +101,9 @@ class ReferenceOffload:
                 x_t, t = traj.latents[bi, ji], traj.timesteps[ji]
                 u = cond_index(uncond, bi) if uncond is not None else None
                 v = policy_velocity(self.ref, x_t, t, cond_index(cond, bi), u, guidance)
-                means[bi, ji] = sampler_step(params, x_t, v, t, traj.timesteps[ji + 1], x_next=traj.latents[bi, ji + 1]).mean
+                means[bi, ji] = sampler_step(
+                    params, x_t, v, t, traj.timesteps[ji + 1], x_next=traj.latents[bi, ji + 1]
+                ).mean
         finally:
             self.park()
         return means, len(pairs) * nfe_per_sample(uncond, guidance)
