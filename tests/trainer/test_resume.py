@@ -16,9 +16,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import dist_script as ds  # noqa: E402
+import dist_script as ds
 
-from flowcredit.trainer import checkpoint  # noqa: E402
+from flowcredit.trainer import checkpoint
 
 TIMING = ("seconds", "seconds_total", "eval_seconds")  # wall-clock fields: the only ones allowed to differ
 

@@ -1,4 +1,5 @@
-"""`flowcredit` command line: train | eval | sample | prompts | render | pretrain | compare | export | convert | serve-reward.
+"""`flowcredit` command line: train | eval | sample | prompts | render | pretrain | compare | export | convert |
+serve-reward.
 
     flowcredit train                                  # the embedded default: tiny model, shapes, Flow-GRPO, CPU
     flowcredit train tiny_stepwise run.iterations=50  # a preset + key=value overrides
@@ -53,15 +54,20 @@ def cmd_train(ns) -> int:
         return 3
     if result.get("stopped"):
         if main_rank:
-            print(f"stopped by {result['stopped']} after iteration {result['iterations']}; checkpoint written. "
-                  f"Continue with: flowcredit train resume={trainer.out}")
+            print(
+                f"stopped by {result['stopped']} after iteration {result['iterations']}; checkpoint written. "
+                f"Continue with: flowcredit train resume={trainer.out}"
+            )
         return 0
     if not main_rank:
         return 0
     ev = result.get("eval")
     if ev:
         t = ev["trained"]
-        line = f"eval ({cfg.run.eval_prompts}, cfg {cfg.run.eval_guidance}, {cfg.run.eval_steps} ODE steps): reward {t['reward_mean']:.4f}"
+        line = (
+            f"eval ({cfg.run.eval_prompts}, cfg {cfg.run.eval_guidance}, {cfg.run.eval_steps} ODE steps): "
+            f"reward {t['reward_mean']:.4f}"
+        )
         if "strict_overall" in t:
             line += f", strict overall {t['strict_overall']:.4f}"
         if "delta" in ev:
@@ -93,7 +99,16 @@ def cmd_eval(ns) -> int:
     if ns.threads:
         torch.set_num_threads(ns.threads)
     out = ns.out or f"eval_out/{Path(ns.checkpoint or 'shipped').stem}-cfg{ns.cfg}-s{ns.steps}"
-    s = evaluate(model, prompts, steps=ns.steps, guidance=ns.cfg, seed=ns.seed, out_dir=out, limit=ns.limit, batch_size=ns.batch_size)
+    s = evaluate(
+        model,
+        prompts,
+        steps=ns.steps,
+        guidance=ns.cfg,
+        seed=ns.seed,
+        out_dir=out,
+        limit=ns.limit,
+        batch_size=ns.batch_size,
+    )
     if "geneval" in s:
         print(format_summary(s["geneval"], "correct"))
         print(f"Strict overall (exact counts, no extras): {s['strict_overall']:.5f}")
@@ -138,7 +153,9 @@ def cmd_render(ns) -> int:
         world = get_world(ns.resolution)
         for i, m in enumerate(ps.metadata):
             if "include" not in m:
-                raise PromptFileError(f"{ps.source}: line {i + 1} has no GenEval metadata; render needs .jsonl records")
+                raise PromptFileError(
+                    f"{ps.source}: line {i + 1} has no GenEval metadata; render needs .jsonl records"
+                )
             check_shapes_vocab(m, world, f"{ps.source} record {i + 1}")
     except (PromptFileError, ValueError) as e:
         return _fail(str(e))
@@ -177,12 +194,14 @@ def cmd_pretrain(ns) -> int:
 
 
 def cmd_convert(ns) -> int:
-    """An old pickle checkpoint → the safetensors + JSON format, only with --trust (see `checkpoint.convert_legacy`)."""
+    """An old pickle checkpoint → the safetensors + JSON format, only with --trust (`checkpoint.convert_legacy`)."""
     from ..trainer.checkpoint import CheckpointError, convert_legacy
 
     if not ns.trust:
-        return _fail(f"convert reads the pickle '{ns.old}', and pickles can run code; only if you trust its origin, "
-                     f"rerun as: flowcredit convert --trust {ns.old}" + (f" {ns.new}" if ns.new else ""))
+        return _fail(
+            f"convert reads the pickle '{ns.old}', and pickles can run code; only if you trust its origin, "
+            f"rerun as: flowcredit convert --trust {ns.old}" + (f" {ns.new}" if ns.new else "")
+        )
     try:
         out = convert_legacy(ns.old, ns.new)
     except (CheckpointError, FileNotFoundError) as e:
@@ -204,7 +223,9 @@ def cmd_compare(ns) -> int:
             if ns.iterations:
                 study.iterations = ns.iterations
         else:
-            study = study_from_presets(ns.study, ns.seeds or [0, 1, 2], ns.iterations or 40, ns.eval_every, ns.override)
+            study = study_from_presets(
+                ns.study, ns.seeds or [0, 1, 2], ns.iterations or 40, ns.eval_every, ns.override
+            )
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return _fail(str(e))
     out = Path(ns.out or f"results/{Path(ns.study[0]).stem}")
@@ -234,7 +255,9 @@ def cmd_export(ns) -> int:
                 doc = yaml.safe_load(cfg_path.read_text())
                 name = ((doc.get("model") or {}) if isinstance(doc, dict) else {}).get("name", "tiny")
             except (yaml.YAMLError, AttributeError) as e:
-                raise ValueError(f"'{cfg_path}' is not a readable run config ({type(e).__name__}); fix or remove it") from None
+                raise ValueError(
+                    f"'{cfg_path}' is not a readable run config ({type(e).__name__}); fix or remove it"
+                ) from None
         if name == "tiny":
             model = load_any_model(ns.checkpoint, "fp32")
             out = model.save(ns.out, name=ns.name)
@@ -249,26 +272,45 @@ def cmd_export(ns) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="flowcredit", description="RL fine-tuning of flow-matching text-to-image models with step-level credit assignment.")
+    ap = argparse.ArgumentParser(
+        prog="flowcredit",
+        description="RL fine-tuning of flow-matching text-to-image models with step-level credit assignment.",
+    )
     sub = ap.add_subparsers(dest="command", required=True)
-    sub.add_parser("serve-reward", help="serve a registered reward over HTTP (JSON, never pickle): serve-reward NAME --port 8765 [--token T]")
+    sub.add_parser(
+        "serve-reward",
+        help="serve a registered reward over HTTP (JSON, never pickle): serve-reward NAME --port 8765 [--token T]",
+    )
 
-    t = sub.add_parser("train", help="train with a preset/YAML and key=value overrides (default: the embedded tiny Flow-GRPO job)")
+    t = sub.add_parser(
+        "train", help="train with a preset/YAML and key=value overrides (default: the embedded tiny Flow-GRPO job)"
+    )
     t.add_argument("args", nargs="*", help="[PRESET|file.yaml] key=value ...")
     t.add_argument("--help-config", action="store_true", help="list every config key with its type, default and help")
     t.set_defaults(fn=cmd_train)
 
     def model_args(p):
-        p.add_argument("--checkpoint", default=None, help="tiny model .safetensors, trainer checkpoint folder (checkpoints/iterNNNNNN) or run folder (default: shipped model)")
+        p.add_argument(
+            "--checkpoint",
+            default=None,
+            help="tiny model .safetensors, trainer checkpoint folder (checkpoints/iterNNNNNN) or run folder "
+            "(default: shipped model)",
+        )
         p.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale")
         p.add_argument("--steps", type=int, default=40, help="ODE steps")
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="fp32",
-                       help="autocast dtype of the model; auto = bf16 only where the hardware runs it fast")
+        p.add_argument(
+            "--precision",
+            choices=["auto", "fp32", "bf16"],
+            default="fp32",
+            help="autocast dtype of the model; auto = bf16 only where the hardware runs it fast",
+        )
 
     e = sub.add_parser("eval", help="score a model on a prompt file or split (GenEval layout + summary)")
     model_args(e)
-    e.add_argument("--prompts", default="shapes:test", help="shapes:test | shapes:test_unique | shapes:train | file.jsonl")
+    e.add_argument(
+        "--prompts", default="shapes:test", help="shapes:test | shapes:test_unique | shapes:train | file.jsonl"
+    )
     e.add_argument("--out", default=None, help="output folder")
     e.add_argument("--limit", type=int, default=None, help="only the first N prompt lines")
     e.add_argument("--batch-size", type=int, default=64)
@@ -296,7 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--n-samples", type=int, default=1)
     r.set_defaults(fn=cmd_render)
 
-    x = sub.add_parser("export", help="export a trained checkpoint (diffusers LoRA / save_pretrained, or tiny .safetensors)")
+    x = sub.add_parser(
+        "export", help="export a trained checkpoint (diffusers LoRA / save_pretrained, or tiny .safetensors)"
+    )
     x.add_argument("checkpoint", help="run folder or checkpoints/iterNNNNNN folder")
     x.add_argument("out", help="output folder")
     x.add_argument("--name", default="tiny_rl", help="file stem for tiny-model exports")
@@ -304,12 +348,23 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--model-path", default=None, help="base model folder if it moved since training (real models)")
     x.set_defaults(fn=cmd_export)
 
-    cv = sub.add_parser("convert", help="rewrite a trusted old pickle checkpoint (.pt) as safetensors + JSON: convert --trust OLD.pt [NEW]")
+    cv = sub.add_parser(
+        "convert",
+        help="rewrite a trusted old pickle checkpoint (.pt) as safetensors + JSON: convert --trust OLD.pt [NEW]",
+    )
     cv.add_argument("old", help="an old checkpoints/iterNNNNNN.pt or pretraining state.pt")
-    cv.add_argument("new", nargs="?", default=None,
-                    help="the checkpoint folder to write (default: iterNNNNNN.pt → iterNNNNNN beside it, state.pt → checkpoints/stepNNNNNN)")
-    cv.add_argument("--trust", action="store_true",
-                    help="you trust the file's origin (required: it is a pickle; read with torch's restricted unpickler)")
+    cv.add_argument(
+        "new",
+        nargs="?",
+        default=None,
+        help="the checkpoint folder to write (default: iterNNNNNN.pt → iterNNNNNN beside it, state.pt → "
+        "checkpoints/stepNNNNNN)",
+    )
+    cv.add_argument(
+        "--trust",
+        action="store_true",
+        help="you trust the file's origin (required: it is a pickle; read with torch's restricted unpickler)",
+    )
     cv.set_defaults(fn=cmd_convert)
 
     c = sub.add_parser("compare", help="run presets × seeds (or a study YAML) with a shared budget and write a report")
@@ -321,8 +376,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--override", action="append", default=[], help="key=value applied to every arm (repeatable)")
     c.add_argument("--parallel", type=int, default=1, help="runs at a time")
     c.add_argument("--threads", type=int, default=0, help="torch threads per run (0 = cores / parallel)")
-    c.add_argument("--reuse", action="append", default=[], metavar="DIR",
-                   help="copy, instead of retraining, any run whose resolved config equals a finished run's under DIR (repeatable)")
+    c.add_argument(
+        "--reuse",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="copy, instead of retraining, any run whose resolved config equals a finished run's under DIR "
+        "(repeatable)",
+    )
     c.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
     c.set_defaults(fn=cmd_compare)
 

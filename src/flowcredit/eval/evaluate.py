@@ -167,7 +167,8 @@ def generate(
     for s in range(0, len(prompts), batch_size):
         chunk = list(prompts[s : s + batch_size])
         noise = line_noise(seed, indices[s : s + batch_size], tuple(model.latent_shape))
-        # real models sample on their scheduler's own grid (diffusers parity); the tiny model on the shifted uniform grid
+        # real models sample on their scheduler's own grid (diffusers parity); the tiny model on the shifted uniform
+        # grid
         grid = model.time_grid(steps) if hasattr(model, "time_grid") else steps
         x0 = sample_ode(model, chunk, steps=grid, guidance_scale=guidance, init_noise=noise, shift=shift)
         out.append(model.decode(x0))
@@ -226,7 +227,9 @@ def evaluate(
             }
             if results is not None:
                 r = results[k]
-                row.update(correct=bool(r.correct), strict=bool(r.strict), reason=r.reason, details=json.dumps(r.details))
+                row.update(
+                    correct=bool(r.correct), strict=bool(r.strict), reason=r.reason, details=json.dumps(r.details)
+                )
             rows.append(row)
     score_t = torch.cat(scores)
     summary: dict[str, Any] = {
@@ -277,4 +280,8 @@ def tag_balanced_subset(prompt_set: PromptSet, n: int) -> PromptSet:
             if k < len(by_tag[t]) and len(order) < n:
                 order.append(by_tag[t][k])
         k += 1
-    return PromptSet([prompt_set.prompts[i] for i in order], [prompt_set.metadata[i] for i in order], prompt_set.source + f"[balanced {n}]")
+    return PromptSet(
+        [prompt_set.prompts[i] for i in order],
+        [prompt_set.metadata[i] for i in order],
+        prompt_set.source + f"[balanced {n}]",
+    )

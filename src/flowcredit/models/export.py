@@ -13,8 +13,8 @@ LoRA (model.trainable=lora): `out_dir/pytorch_lora_weights.safetensors`, written
 Two traps avoided (ENVIRONMENT.md §2): the state dict is NOT passed through `convert_state_dict_to_diffusers` (that
 renames to_q/k/v/out to the old lora.down/up keys, which `load_lora_weights` silently drops); and the LoRA scale α/r
 is folded into lora_B (B ← (α/r)·B, saved alpha = r) because loaders that ignore alpha metadata (older diffusers,
-other UIs) would otherwise run the adapter at scale 1. Folding is exact when α/r is a power of two (the recipes' r32/α64
-→ 2); otherwise the loaded model matches to fp32 rounding.
+other UIs) would otherwise run the adapter at scale 1. Folding is exact when α/r is a power of two (the recipes'
+r32/α64 → 2); otherwise the loaded model matches to fp32 rounding.
 
 Full fine-tunes (trainable=all|blocks): `Pipeline.save_pretrained(out_dir)` of the adapter's pipeline (its transformer
 is the trained one), loadable with `Pipeline.from_pretrained(out_dir)`; `transformer_only=True` writes only
@@ -107,12 +107,20 @@ def export(model, out_dir: str | Path, *, transformer_only: bool = False, extra:
     return out
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, use_ema: bool = True,
-                      model_path: str | None = None, device: str = "cpu", transformer_only: bool = False) -> Path:
+def export_checkpoint(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    use_ema: bool = True,
+    model_path: str | None = None,
+    device: str = "cpu",
+    transformer_only: bool = False,
+) -> Path:
     """Rebuild the model of a trainer checkpoint, load its weights (EMA if kept and `use_ema`) and `export` it.
 
     Args:
-        checkpoint: a trainer checkpoint folder `checkpoints/iterNNNNNN` or a run folder (its newest intact checkpoint).
+        checkpoint: a trainer checkpoint folder `checkpoints/iterNNNNNN` or a run folder (its newest intact
+            checkpoint).
             Old pickle `.pt` checkpoints are refused (convert a trusted one: `flowcredit convert --trust OLD.pt`).
         out_dir: output folder.
         use_ema: export the EMA weights when the run kept them (what the run's evaluation used).
@@ -145,5 +153,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, use_ema: b
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0]
         raise ValueError(f"checkpoint '{ck}' does not match the rebuilt {cfg.name} model ({first})") from None
-    return export(model, out_dir, transformer_only=transformer_only,
-                  extra={"checkpoint": ck.name, "iteration": st.get("iteration"), "ema": bool(use_ema and st.get("ema"))})
+    return export(
+        model,
+        out_dir,
+        transformer_only=transformer_only,
+        extra={"checkpoint": ck.name, "iteration": st.get("iteration"), "ema": bool(use_ema and st.get("ema"))},
+    )

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,28 +45,46 @@ def _h(default, text: str):
 class PretrainConfig:
     """Pretraining settings (every field but `model` is a CLI flag of `flowcredit pretrain`, with its help text)."""
 
-    out_dir: str = _h("pretrain_runs/tiny", "run folder (checkpoints/step*/, log.jsonl, ema/step*.safetensors); an existing one is resumed")
+    out_dir: str = _h(
+        "pretrain_runs/tiny",
+        "run folder (checkpoints/step*/, log.jsonl, ema/step*.safetensors); an existing one is resumed",
+    )
     steps: int = _h(20000, "total optimizer steps of the run (the learning-rate schedule ends here)")
     batch_size: int = _h(64, "images per step")
     lr: float = _h(6e-4, "peak AdamW learning rate")
     warmup: int = _h(300, "linear warm-up steps")
-    decay_start: int = _h(0, "> 0: decay the lr linearly from this step to lr_final at `steps`; 0: constant after warm-up")
+    decay_start: int = _h(
+        0, "> 0: decay the lr linearly from this step to lr_final at `steps`; 0: constant after warm-up"
+    )
     lr_final: float = _h(6e-5, "learning rate at the last step when decay_start > 0")
     weight_decay: float = _h(0.0, "AdamW weight decay")
     grad_clip: float = _h(1.0, "clip the global gradient norm to this value")
     ema_decay: float = _h(0.999, "EMA decay of the weights that are snapshotted and shipped")
-    prompt_dropout: float = _h(0.1, "probability of replacing a prompt by '' (trains the unconditional branch for CFG)")
-    time_shift: float = _h(3.0, "SD3 resolution shift of the logit-normal t density (3 early, 1 later; see the shipped JSON)")
+    prompt_dropout: float = _h(
+        0.1, "probability of replacing a prompt by '' (trains the unconditional branch for CFG)"
+    )
+    time_shift: float = _h(
+        3.0, "SD3 resolution shift of the logit-normal t density (3 early, 1 later; see the shipped JSON)"
+    )
     seed: int = _h(0, "seed of the initial weights, the layouts, the noise and t")
-    precision: str = _h("auto", "autocast dtype of the forward/backward (weights and optimizer stay fp32): auto | fp32 | bf16; auto = bf16 on CUDA with bf16 and on CPUs with AVX-512 BF16/AMX, else fp32 (bf16 is emulated there, 4.4× slower; models/precision.py)")
+    precision: str = _h(
+        "auto",
+        "autocast dtype of the forward/backward (weights and optimizer stay fp32): auto | fp32 | bf16; auto = bf16 "
+        "on CUDA with bf16 and on CPUs with AVX-512 BF16/AMX, else fp32 (bf16 is emulated there, 4.4× slower; "
+        "models/precision.py)",
+    )
     threads: int = _h(2, "torch CPU threads")
     checkpoint_every: int = _h(500, "write a checkpoint (checkpoints/stepNNNNNN/) and an EMA snapshot every N steps")
     log_every: int = _h(50, "append the mean loss to log.jsonl every N steps")
     prompts: str = _h("shapes:train", "training prompts: shapes:train or a GenEval-style metadata .jsonl")
     init: str = _h("", "start from these tiny-model weights ('shipped' = the packaged model); '' = random init")
     device: str = _h("auto", "auto (CUDA if available, else CPU) | cpu | cuda | cuda:N")
-    workers: int = _h(0, "render batches in N DataLoader processes (for accelerators; 0 = in-process, bit-exact resume)")
-    max_minutes: float = _h(0.0, "> 0: checkpoint and stop after this many minutes of training; rerun the same command to continue")
+    workers: int = _h(
+        0, "render batches in N DataLoader processes (for accelerators; 0 = in-process, bit-exact resume)"
+    )
+    max_minutes: float = _h(
+        0.0, "> 0: checkpoint and stop after this many minutes of training; rerun the same command to continue"
+    )
     model: dict = field(default_factory=dict)  # TinyDiTConfig overrides
 
 
@@ -94,8 +111,14 @@ def _group_by_tag(metadata: list[dict]) -> tuple[dict[str, list[int]], list[str]
     return by_tag, [t for t in TAGS if t in by_tag] or list(by_tag)
 
 
-def make_batch(data, by_tag: dict[str, list[int]], tags: list[str], batch_size: int, prompt_dropout: float,
-               rng: np.random.Generator) -> tuple[np.ndarray, list[str]]:
+def make_batch(
+    data,
+    by_tag: dict[str, list[int]],
+    tags: list[str],
+    batch_size: int,
+    prompt_dropout: float,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, list[str]]:
     """One training batch from `rng`: a tag uniformly, a prompt of that tag, a fresh random layout of it.
 
     Returns:
@@ -113,7 +136,7 @@ _WORKER_STREAM_TAG = 0x5EED0F
 class _RenderStream(torch.utils.data.IterableDataset):
     """Endless batches rendered in DataLoader worker processes; worker w draws from rng(seed, tag, start step, w)."""
 
-    def __init__(self, cfg: "PretrainConfig", start_step: int):
+    def __init__(self, cfg: PretrainConfig, start_step: int):
         self.cfg, self.start_step = cfg, start_step
 
     def __iter__(self):
@@ -141,7 +164,9 @@ def validate(cfg: PretrainConfig) -> torch.device:
     if cfg.init and cfg.init != "shipped" and not Path(cfg.init).exists():
         raise FileNotFoundError(f"init: '{cfg.init}' not found; pass a tiny-model .safetensors, 'shipped' or ''")
     if cfg.precision not in PRECISIONS:
-        raise ValueError(f"precision: {cfg.precision!r} is not one of {', '.join(PRECISIONS)}; pass --precision auto, fp32 or bf16")
+        raise ValueError(
+            f"precision: {cfg.precision!r} is not one of {', '.join(PRECISIONS)}; pass --precision auto, fp32 or bf16"
+        )
     return resolve_device(cfg.device)
 
 
@@ -187,9 +212,16 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
     by_tag, tags = _group_by_tag(data.metadata)
     stream = None
     if cfg.workers > 0:
-        stream = iter(torch.utils.data.DataLoader(_RenderStream(cfg, step), batch_size=None, num_workers=cfg.workers,
-                                                  prefetch_factor=4, persistent_workers=True,
-                                                  pin_memory=device.type == "cuda"))
+        stream = iter(
+            torch.utils.data.DataLoader(
+                _RenderStream(cfg, step),
+                batch_size=None,
+                num_workers=cfg.workers,
+                prefetch_factor=4,
+                persistent_workers=True,
+                pin_memory=device.type == "cuda",
+            )
+        )
 
     def lr_at(s: int) -> float:
         lr = cfg.lr * min(1.0, (s + 1) / cfg.warmup)
@@ -239,7 +271,13 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
         if bar is not None:
             bar.update(1)
         if step % cfg.log_every == 0:
-            rec = {"step": step, "loss": float(np.mean(losses)), "grad_norm": float(gn), "lr": lr_at(step - 1), "elapsed_s": time.time() - t0}
+            rec = {
+                "step": step,
+                "loss": float(np.mean(losses)),
+                "grad_norm": float(gn),
+                "lr": lr_at(step - 1),
+                "elapsed_s": time.time() - t0,
+            }
             log_f.write(json.dumps(rec) + "\n")
             log_f.flush()
             if bar is not None:
@@ -247,9 +285,17 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
             losses = []
         if step % cfg.checkpoint_every == 0 or step == cfg.steps or out_of_time:
             checkpoint.save(
-                {"model": model.net.state_dict(), "ema": ema.state_dict(), "opt": opt.state_dict(), "step": step,
-                 "torch_gen": gen.get_state(), "np_rng": rng.bit_generator.state},
-                out / "checkpoints" / f"step{step:06d}", iteration=step, keep=2,
+                {
+                    "model": model.net.state_dict(),
+                    "ema": ema.state_dict(),
+                    "opt": opt.state_dict(),
+                    "step": step,
+                    "torch_gen": gen.get_state(),
+                    "np_rng": rng.bit_generator.state,
+                },
+                out / "checkpoints" / f"step{step:06d}",
+                iteration=step,
+                keep=2,
             )
             snap = TinyFlowModel(model_cfg)
             snap.net.load_state_dict(ema.state_dict())
@@ -261,6 +307,8 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
         bar.close()
     log_f.close()
     if stopped_early:
-        print(f"max_minutes={cfg.max_minutes} reached: stopped at step {step} of {cfg.steps} with a checkpoint; "
-              f"rerun the same command to continue")
+        print(
+            f"max_minutes={cfg.max_minutes} reached: stopped at step {step} of {cfg.steps} with a checkpoint; "
+            f"rerun the same command to continue"
+        )
     return out

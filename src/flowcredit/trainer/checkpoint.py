@@ -22,7 +22,8 @@ The write order makes every crash point safe (the rename is the commit):
 ``find_latest`` walks from the newest checkpoint down and returns the first that verifies; a damaged one (size or
 checksum differs from its manifest, missing or unreadable manifest, a pickle ``.pt``) is skipped with a warning that
 names it and the one used instead. If checkpoints exist but none is intact, it raises ``CheckpointError``: a run never
-restarts from scratch silently. An interrupted write (only a ``.tmp`` folder) never counted and is reported and ignored.
+restarts from scratch silently. An interrupted write (only a ``.tmp`` folder) never counted; it is reported and
+ignored.
 
 Checkpoints do not depend on the layout. Under FSDP (``dist.fsdp``) the model, optimizer and EMA states are gathered
 to full tensors on rank 0 (``model_state``, ``optimizer_state``, ``full_tensors``), in the same layout as an unsharded
@@ -41,8 +42,9 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -79,8 +81,10 @@ def manifest_path(path: Path) -> Path:
 
 def legacy_hint(path: Path) -> str:
     """The one-line refusal of a pickle checkpoint, with the command that converts a trusted one."""
-    return (f"'{path}' is a pickle checkpoint (the format before safetensors); pickles can run code when loaded, so "
-            f"flowcredit does not read them. If you trust its origin, convert it: flowcredit convert --trust {path}")
+    return (
+        f"'{path}' is a pickle checkpoint (the format before safetensors); pickles can run code when loaded, so "
+        f"flowcredit does not read them. If you trust its origin, convert it: flowcredit convert --trust {path}"
+    )
 
 
 def _fsync_dir(d: Path) -> None:
@@ -166,8 +170,10 @@ def flatten(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
             if all(isinstance(k, str) and not k.startswith("__") for k in x):
                 return {k: enc(v, f"{path}/{k}" if path else k) for k, v in x.items()}
             return {"__items__": [[enc(k, f"{path}/key"), enc(v, f"{path}/{k}")] for k, v in x.items()]}
-        raise TypeError(f"checkpoint state '{path}': a {type(x).__name__} cannot be stored (tensors, numbers, strings, "
-                        f"lists, tuples, dicts and numpy arrays only)")
+        raise TypeError(
+            f"checkpoint state '{path}': a {type(x).__name__} cannot be stored (tensors, numbers, strings, "
+            f"lists, tuples, dicts and numpy arrays only)"
+        )
 
     return tensors, enc(state, "")
 
@@ -223,7 +229,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
             meta = f.metadata() or {}
             if meta.get("flowcredit") != FORMAT:
                 raise CheckpointError(f"'{path}' is a safetensors file but not a flowcredit checkpoint's tensors")
-            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
+            return {k: f.get_tensor(k) for k in f.keys()}
     except SafetensorError as e:
         raise CheckpointError(f"'{path}' is not a valid safetensors file ({e}); the checkpoint is damaged") from None
     except OSError as e:
@@ -279,7 +285,9 @@ def _prefix(path: Path) -> str | None:
     return m.group(1) if m else None
 
 
-def save(state: dict[str, Any], path: Path, *, iteration: int, keep: int = 2, fault: Callable[[str], None] | None = None) -> Path:
+def save(
+    state: dict[str, Any], path: Path, *, iteration: int, keep: int = 2, fault: Callable[[str], None] | None = None
+) -> Path:
     """Write ``state`` as checkpoint folder ``path`` (e.g. ``checkpoints/iter000012``) with the protocol above; skip
     if an intact checkpoint is already there; then keep the ``keep`` newest of its prefix (0: delete nothing)."""
     path = Path(path)
@@ -304,9 +312,13 @@ def save(state: dict[str, Any], path: Path, *, iteration: int, keep: int = 2, fa
         os.fsync(f.fileno())
     if fault is not None:
         fault("checkpoint")  # test hook: data written, no manifest yet
-    manifest = {"format": FORMAT, "version": FORMAT_VERSION, "iteration": int(iteration),
-                "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)} for name in FILES},
-                "written_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    manifest = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "iteration": int(iteration),
+        "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)} for name in FILES},
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     _write_atomic(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
     _fsync_dir(tmp)
     if fault is not None:
@@ -359,7 +371,10 @@ def find_latest(d: Path, *, warn: bool = True, prefix: str = "iter") -> Path | N
         if problem is None:
             if warn:
                 for bad, why in skipped:
-                    warnings.warn(f"checkpoint {bad} is unusable: {why}; falling back to the newest intact one: {path}", stacklevel=2)
+                    warnings.warn(
+                        f"checkpoint {bad} is unusable: {why}; falling back to the newest intact one: {path}",
+                        stacklevel=2,
+                    )
             return path
         skipped.append((path, problem))
     if not skipped:
@@ -367,8 +382,12 @@ def find_latest(d: Path, *, warn: bool = True, prefix: str = "iter") -> Path | N
     hint = ""
     if any(p.suffix == ".pt" for p, _ in skipped):
         hint = "; convert a trusted .pt with: flowcredit convert --trust OLD.pt"
-    raise CheckpointError(f"no intact checkpoint in {d}: " + "; ".join(f"{p.name}: {why}" for p, why in skipped) + hint
-                          + "; restore one, or use a new run folder to start from scratch")
+    raise CheckpointError(
+        f"no intact checkpoint in {d}: "
+        + "; ".join(f"{p.name}: {why}" for p, why in skipped)
+        + hint
+        + "; restore one, or use a new run folder to start from scratch"
+    )
 
 
 def resolve(path: str | Path) -> Path:
@@ -390,7 +409,9 @@ def resolve(path: str | Path) -> Path:
         return p
     if not p.exists():
         raise FileNotFoundError(f"checkpoint '{p}' not found; give a run folder or a checkpoints/iterNNNNNN folder")
-    raise CheckpointError(f"'{p}' is not a flowcredit checkpoint (no {MANIFEST}); give a run folder or a checkpoints/iterNNNNNN folder")
+    raise CheckpointError(
+        f"'{p}' is not a flowcredit checkpoint (no {MANIFEST}); give a run folder or a checkpoints/iterNNNNNN folder"
+    )
 
 
 def load(path: Path, *, verify_checksums: bool = True) -> dict[str, Any]:
@@ -405,7 +426,9 @@ def load(path: Path, *, verify_checksums: bool = True) -> dict[str, Any]:
     if not path.exists():
         raise FileNotFoundError(f"checkpoint '{path}' not found")
     if not path.is_dir():
-        raise CheckpointError(f"'{path}' is not a flowcredit checkpoint folder (tensors.safetensors + state.json + manifest.json)")
+        raise CheckpointError(
+            f"'{path}' is not a flowcredit checkpoint folder (tensors.safetensors + state.json + manifest.json)"
+        )
     if verify_checksums:
         problem = verify(path)
         if problem is not None:
@@ -419,7 +442,9 @@ def load(path: Path, *, verify_checksums: bool = True) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or "state" not in doc:
         raise CheckpointError(f"'{path / STATE}' is not a flowcredit checkpoint state (no format '{FORMAT}')")
     if int(doc.get("version", 0)) > FORMAT_VERSION:
-        raise CheckpointError(f"'{path}' was written by a newer flowcredit (format version {doc['version']}); upgrade flowcredit")
+        raise CheckpointError(
+            f"'{path}' was written by a newer flowcredit (format version {doc['version']}); upgrade flowcredit"
+        )
     state = unflatten(doc["state"], _read_tensors(path / TENSORS), source=str(path / STATE))
     if not isinstance(state, dict):
         raise CheckpointError(f"'{path / STATE}' holds a {type(state).__name__}, not a checkpoint dict")
@@ -442,7 +467,7 @@ def default_converted_path(old: Path) -> Path:
 
 
 def convert_legacy(old: str | Path, new: str | Path | None = None) -> Path:
-    """Rewrite an old pickle checkpoint (``torch.save`` of a dict) as a checkpoint folder. The only reader of pickles in
+    """Rewrite an old pickle checkpoint (``torch.save`` of a dict) as a checkpoint folder. The only pickle reader in
     flowcredit; the CLI calls it only with ``--trust``. It still uses torch's restricted unpickler
     (``weights_only=True``) with numpy's array reconstruction as the only extra global, so a file that needs anything
     else (a payload) is refused, never run.
@@ -468,14 +493,20 @@ def convert_legacy(old: str | Path, new: str | Path | None = None) -> Path:
         except Exception:  # noqa: BLE001 - not even a torch zip file
             extra = []
         if extra:
-            raise CheckpointError(f"'{old}' needs {', '.join(extra)} to load, which a flowcredit checkpoint never needs "
-                                  f"(it may carry a payload); not converted") from None
+            raise CheckpointError(
+                f"'{old}' needs {', '.join(extra)} to load, which a flowcredit checkpoint never needs "
+                f"(it may carry a payload); not converted"
+            ) from None
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"'{old}' is not a readable torch checkpoint ({first}); not converted") from None
     if not isinstance(st, dict):
         raise CheckpointError(f"'{old}' holds a {type(st).__name__}, not a flowcredit checkpoint dict; not converted")
     if new is None:
-        new = old.parent / "checkpoints" / f"step{int(st.get('step', 0)):06d}" if old.name == "state.pt" else default_converted_path(old)
+        new = (
+            old.parent / "checkpoints" / f"step{int(st.get('step', 0)):06d}"
+            if old.name == "state.pt"
+            else default_converted_path(old)
+        )
     new = Path(new)
     if new.exists():
         raise CheckpointError(f"'{new}' already exists; give a new folder as the second argument")
