@@ -104,8 +104,8 @@ def caption_grid(images: np.ndarray, captions: Sequence[str], ncol: int = 16, *,
     rows = (n + ncol - 1) // ncol
     big = images.repeat(scale, axis=1).repeat(scale, axis=2)  # (N, scale·H, scale·W, 3)
     ch, cw = h * scale, w * scale
-    font = ImageFont.load_default(size=font_size)
-    ascent, descent = font.getmetrics()
+    font = ImageFont.load_default(size=font_size)  # FreeType (Pillow >= 10.1), the bitmap font without it
+    ascent, descent = font.getmetrics() if hasattr(font, "getmetrics") else (font_size, 2)
     line_h = ascent + descent + 1
     layout = []  # per row: [(first col, last col, wrapped lines)]
     for r in range(rows):
@@ -145,7 +145,7 @@ def caption_grid(images: np.ndarray, captions: Sequence[str], ncol: int = 16, *,
 def save_png(array: np.ndarray, path: str | Path, scale: int = 1) -> None:
     img = Image.fromarray(array)
     if scale > 1:
-        img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
+        img = img.resize((img.width * scale, img.height * scale), Image.Resampling.NEAREST)
     img.save(path)
 
 
@@ -209,7 +209,9 @@ def evaluate(
     n = len(prompt_set) if limit is None else min(limit, len(prompt_set))
     prompts, meta = prompt_set.prompts[:n], prompt_set.metadata[:n]
     images = generate(model, prompts, steps=steps, guidance=guidance, seed=seed, batch_size=batch_size, shift=shift)
-    scores, comps, rows = [], {}, []
+    scores: list[torch.Tensor] = []
+    comps: dict[str, list[torch.Tensor]] = {}
+    rows: list[dict[str, Any]] = []
     for s in range(0, n, 256):
         ro = reward(images[s : s + 256], prompts[s : s + 256], meta[s : s + 256])
         scores.append(ro.scores)

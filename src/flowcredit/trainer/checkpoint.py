@@ -44,7 +44,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -510,7 +510,7 @@ def convert_legacy(old: str | Path, new: str | Path | None = None) -> Path:
     new = Path(new)
     if new.exists():
         raise CheckpointError(f"'{new}' already exists; give a new folder as the second argument")
-    iteration = int(st.get("iteration", st.get("step", 0)))
+    iteration = int(st.get("iteration", st.get("step", 0)) or 0)
     try:
         return save(st, new, iteration=iteration, keep=0)
     except TypeError as e:
@@ -588,7 +588,7 @@ def model_state(net: torch.nn.Module) -> dict[str, torch.Tensor]:
         return net.state_dict()
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(net, options=_full_options())
+    return cast(dict[str, torch.Tensor], get_model_state_dict(net, options=_full_options()))
 
 
 def load_model_state(net: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -599,7 +599,7 @@ def load_model_state(net: torch.nn.Module, state: dict[str, torch.Tensor]) -> No
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    set_model_state_dict(net, state, options=StateDictOptions(full_state_dict=True))
+    set_model_state_dict(net, cast(Any, state), options=StateDictOptions(full_state_dict=True))
 
 
 def optimizer_state(net: torch.nn.Module, opt, names: Sequence[str]) -> dict[str, Any]:
@@ -610,7 +610,7 @@ def optimizer_state(net: torch.nn.Module, opt, names: Sequence[str]) -> dict[str
         return opt.state_dict()
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    osd = get_optimizer_state_dict(net, opt, options=_full_options())
+    osd: Any = get_optimizer_state_dict(net, opt, options=_full_options())
     if not osd:
         return {}
     index = {n: i for i, n in enumerate(names)}
@@ -627,7 +627,7 @@ def load_optimizer_state(net: torch.nn.Module, opt, names: Sequence[str], state:
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    osd = {
+    osd: Any = {
         "state": {names[int(i)]: v for i, v in state["state"].items()},
         "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in state["param_groups"]],
     }
@@ -654,7 +654,7 @@ def shard_like(tensors: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) 
     a plain one the tensor on its device."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    out = []
+    out: list[torch.Tensor] = []
     for t, p in zip(tensors, params):
         if isinstance(p, DTensor):
             out.append(distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements, src_data_rank=None))
