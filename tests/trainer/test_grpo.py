@@ -405,5 +405,5 @@ def test_budget_prediction_uses_the_measured_rates(tmp_path, model_path, monkeyp
     assert tr.over_budget([5.0, 5.0, 5.0], [fits, fits]) is False
     assert tr.over_budget([5.0, 5.0, 5.0], [fits / 2, fits / 2]) is True
     assert tr.over_budget([], []) is False  # nothing measured yet: the first iteration runs
-    tr.cfg.run.budget_minutes = 0.0
+    tr.budget.budget_s = 0.0  # harness.TimeBudget of run.budget_minutes = 0
     assert tr.over_budget([5.0], [1e-9]) is False  # no budget

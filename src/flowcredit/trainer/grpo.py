@@ -31,12 +31,9 @@ import copy
 import dataclasses
 import hashlib
 import json
-import math
 import os
-import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +45,7 @@ from ..config.schema import TrainConfig
 from ..credit.base import CreditInput
 from ..credit.registry import assign_credit, needs_instant_rewards, needs_step_rewards
 from ..objectives import LossContext, build_objective
-from ..rewards.guards import GoldMonitor, HackingAlarm, group_diversity
+from ..rewards.guards import group_diversity
 from ..samplers.estimates import denoise_estimate, trajectory_estimates
 from ..samplers.policy import nfe_per_sample
 from ..samplers.rollout import rollout
@@ -69,32 +66,12 @@ from .distributed import (
     plan_update,
 )
 from .faults import NonFiniteGuard, RetryingCall, StopSignal, first_nonfinite, inject_point
+from .harness import EMAWeights, HackingGuard, PhaseTimer, TimeBudget
 from .loggers import build_loggers, scalars_of
 
 
 class TrainingError(RuntimeError):
     """A run cannot start or continue; the message is one line saying what to fix."""
-
-
-@dataclass
-class PhaseTimer:
-    """Wall-clock seconds per phase of one iteration."""
-
-    seconds: dict[str, float] = field(default_factory=dict)
-    iteration: int = 0  # the iteration in progress (1-based), for the test-only fault-injection points
-
-    def __call__(self, name: str):
-        timer = self
-
-        class _Ctx:
-            def __enter__(self):
-                inject_point(name, timer.iteration)
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - self.t0
-
-        return _Ctx()
 
 
 def sampler_params(cfg: TrainConfig) -> SamplerParams:
@@ -110,7 +87,6 @@ class GRPOTrainer:
         self.cfg = cfg
         self.preset_name = preset_name
         self.t_created = time.time()  # run.budget_minutes counts from here (setup included)
-        self._eval_forwards: int | None = None  # eval_forwards(), computed once (it hashes the initial weights)
 
     # ------------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -180,11 +156,10 @@ class GRPOTrainer:
             self.trainable, cfg.optim.offload_optimizer, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
             eps=cfg.optim.eps,
         )
-        self.ema = [p.detach().clone() for p in self.trainable] if cfg.optim.ema_decay > 0 else None
-        self.gold, self.alarm = None, None
-        if cfg.run.gold_reward:
-            self.gold = GoldMonitor.from_prompts(build_reward(cfg.run.gold_reward), cfg.run.gold_prompts, every=cfg.run.gold_every, limit=cfg.run.gold_limit)
-            self.alarm = HackingAlarm(window=cfg.run.alarm_window)
+        # the harness (trainer/harness.py): EMA of the weights, hacking guard, time budget; all saved in checkpoints
+        self.ema_weights = EMAWeights(self.trainable, cfg.optim.ema_decay)
+        self.guard_ = HackingGuard.from_config(cfg.run, build_reward)
+        self.budget = TimeBudget(cfg.run.budget_minutes, self.t_created, self.eval_forwards)
         self.gen = torch.Generator(device="cpu").manual_seed(cfg.run.seed)
         self.timesteps = time_grid(cfg.sampler.num_steps, cfg.sampler.shift, cfg.sampler.grid)
         self.params = sampler_params(cfg)
@@ -249,18 +224,14 @@ class GRPOTrainer:
         with signals:
             if cfg.run.eval_every and self.iteration == 0 and self.dist.evaluates:
                 self.periodic_eval()  # the curve starts at the initial model
-            iter_seconds: list[float] = []  # wall seconds per iteration (logging, grids and checkpoints included)
-            fwd_rates: list[float] = []  # model forward-images per second measured in the rollout phase
             while self.iteration < cfg.run.iterations:
                 if self.dist.any(bool(cfg.run.max_minutes) and (time.time() - t_start) > 60 * cfg.run.max_minutes):
                     break
-                if self.dist.any(self.over_budget(iter_seconds, fwd_rates)):
+                if self.dist.any(self.budget.over()):
                     stopped_by_budget = True
                     break
                 t_iter = time.time()
                 stats = self.train_step()
-                if stats["seconds"].get("rollout", 0) > 0:
-                    fwd_rates.append(stats["nfe_rollout"] / stats["seconds"]["rollout"])
                 self.iteration += 1
                 if self.iteration % cfg.run.log_every == 0:
                     self.log(stats)
@@ -274,7 +245,7 @@ class GRPOTrainer:
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", strict=f"{stats.get('strict_mean', float('nan')):.2f}")
-                iter_seconds.append(time.time() - t_iter)
+                self.budget.record(time.time() - t_iter, stats["nfe_rollout"], stats["seconds"].get("rollout", 0.0))
                 if self.dist.any(signals.requested is not None):  # every rank stops at the same iteration
                     stopped = signals.requested or "signal"
                     break
@@ -315,21 +286,9 @@ class GRPOTrainer:
         return per_model * models
 
     def over_budget(self, iter_seconds: list[float], fwd_rates: list[float]) -> bool:
-        """run.budget_minutes: True when one more iteration plus the final evaluation would not fit in the budget.
-
-        The iteration time is the median of the measured ones; the evaluation time is its forward count
-        (`eval_forwards`) over the median forward-images/s of the rollouts (the evaluation samples with the same model
-        at the same batch size), plus 10% and 10 s for rewards and writing. Measured (2-core AVX2 CPU, fp32, shared):
-        the two evaluations took 140-178 s where the rollout rate alone predicted 148-169 s, so the 10% is needed.
-        Before the first iteration nothing is predicted (the first one always runs).
-        """
-        budget = 60.0 * self.cfg.run.budget_minutes
-        if budget <= 0 or not iter_seconds or not fwd_rates:
-            return False
-        if self._eval_forwards is None:
-            self._eval_forwards = self.eval_forwards()
-        eval_s = 1.1 * self._eval_forwards / statistics.median(fwd_rates) + 10.0
-        return (time.time() - self.t_created) + statistics.median(iter_seconds) + eval_s > budget
+        """run.budget_minutes with the given measurements (`harness.TimeBudget.over`)."""
+        self.budget.iter_seconds, self.budget.fwd_rates = list(iter_seconds), list(fwd_rates)
+        return self.budget.over()
 
     def train_step(self) -> dict[str, Any]:
         """One iteration: rollout → rewards → (intermediate rewards) → credit → update.
@@ -550,10 +509,7 @@ class GRPOTrainer:
                 self.nonfinite.ok()
                 self.opt.step()
                 acc.setdefault("grad_norm", []).append(float(gn))
-                if self.ema is not None:
-                    with torch.no_grad():
-                        for e, p in zip(self.ema, self.trainable):
-                            e.lerp_(p.detach(), 1 - oc.ema_decay)
+                self.ema_weights.update(self.trainable)
         n_total = n_pairs * oc.inner_epochs
         keys = ("loss",) + tuple(obj.sum_keys)
         for k, v in zip(keys, self.dist.sum([sum(acc.get(k, [0.0])) for k in keys])):  # Σ over ranks
@@ -564,30 +520,26 @@ class GRPOTrainer:
         return out
 
     def guard(self, stats: dict[str, Any]) -> None:
-        """Hacking guards (issue G.6): feed the alarm with the training reward and diversity every iteration and the
-        held-out gold reward every `run.gold_every` iterations; a fired alarm is logged (gold.jsonl, stderr)."""
-        if self.gold is None or not self.dist.evaluates:
-            return
-        self.alarm.update_train(self.iteration, stats["reward_mean"])
-        self.alarm.update_diversity(self.iteration, stats["diversity"])
-        if not self.gold.due(self.iteration):
+        """Hacking guard (run.gold_reward): the alarm sees the training reward and diversity every iteration and the
+        held-out gold reward (sampled with the EMA weights) every run.gold_every iterations; gold.jsonl, stderr."""
+        if self.guard_ is None or not self.dist.evaluates:
             return
         from ..eval.evaluate import generate
 
         rc = self.cfg.run
-        backup = self._swap_in_ema()
-        self.model.eval()
-        rec = self.gold.run(self.iteration, lambda p, m: generate(self.model, p, steps=rc.eval_steps, guidance=rc.eval_guidance, seed=rc.seed + 999, shift=self.cfg.sampler.shift))
-        self._swap_back(backup)
-        self.alarm.update_gold(self.iteration, rec.mean)
-        state = self.alarm.check()
-        if not self.dist.is_main:  # FSDP: the other ranks only joined the sharded forwards
+
+        def sample(prompts, metadata):
+            self.model.eval()
+            with self.ema_weights.swapped_in(self.trainable):
+                return generate(self.model, prompts, steps=rc.eval_steps, guidance=rc.eval_guidance, seed=rc.seed + 999, shift=self.cfg.sampler.shift)
+
+        line = self.guard_.step(self.iteration, stats, sample)
+        if line is None or not self.dist.is_main:  # FSDP: the other ranks only joined the sharded forwards
             return
-        line = {"iteration": self.iteration, "gold": rec.mean, "train_reward": stats["reward_mean"], "diversity": stats["diversity"], "alarm": state.fired, "message": state.message}
         with open(self.out / "gold.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
-        if state.fired:
-            print(f"warning: reward-hacking alarm at iteration {self.iteration}: {state.message}", file=sys.stderr)
+        if line["alarm"]:
+            print(f"warning: reward-hacking alarm at iteration {self.iteration}: {line['message']}", file=sys.stderr)
 
     def _reference(self):
         """Context yielding the reference policy π_ref: a frozen copy of the initial weights, or the model itself
@@ -625,21 +577,14 @@ class GRPOTrainer:
         save_png(caption_grid(u8, list(prompts), ncol=G, scale=3), self.out / "grids" / f"iter{self.iteration:05d}.png")
         (self.out / "grids" / f"iter{self.iteration:05d}.txt").write_text("\n".join(prompts[::G]) + "\n")
 
-    def _swap_in_ema(self):
-        if self.ema is None:
-            return None
-        backup = [p.detach().clone() for p in self.trainable]
-        with torch.no_grad():
-            for p, e in zip(self.trainable, self.ema):
-                p.copy_(e)
-        return backup
+    @property
+    def ema(self) -> list[torch.Tensor] | None:
+        """The EMA weights in the order of `self.trainable` (None when optim.ema_decay = 0)."""
+        return self.ema_weights.shadow
 
-    def _swap_back(self, backup) -> None:
-        if backup is None:
-            return
-        with torch.no_grad():
-            for p, b in zip(self.trainable, backup):
-                p.copy_(b)
+    @ema.setter
+    def ema(self, tensors: list[torch.Tensor] | None) -> None:
+        self.ema_weights.shadow = tensors
 
     def periodic_eval(self) -> None:
         from ..eval.evaluate import evaluate, tag_balanced_subset
@@ -647,11 +592,10 @@ class GRPOTrainer:
         if not self.dist.evaluates:  # rank 0; under FSDP every rank (the forwards are collectives), rank 0 writes
             return
         sub = tag_balanced_subset(self.eval_prompts, self.cfg.run.eval_subset)
-        backup = self._swap_in_ema()
         self.model.eval()
         t0 = time.time()
-        s = evaluate(self.model, sub, **self._eval_kwargs())
-        self._swap_back(backup)
+        with self.ema_weights.swapped_in(self.trainable):
+            s = evaluate(self.model, sub, **self._eval_kwargs())
         rec = {"iteration": self.iteration, "eval_reward": s["reward_mean"], "eval_strict": s.get("strict_overall"), "eval_seconds": time.time() - t0}
         if self.dist.is_main:
             with open(self.out / "eval_curve.jsonl", "a") as f:
@@ -669,12 +613,11 @@ class GRPOTrainer:
         from ..eval.evaluate import evaluate
 
         kw = self._eval_kwargs()
-        backup = self._swap_in_ema()
         self.model.eval()
         t0 = time.time()
         main = self.dist.is_main  # under FSDP every rank evaluates (collective forwards); rank 0 writes
-        trained = evaluate(self.model, self.eval_prompts, out_dir=self.out / "eval" if main else None, write_samples=False, **kw)
-        self._swap_back(backup)
+        with self.ema_weights.swapped_in(self.trainable):
+            trained = evaluate(self.model, self.eval_prompts, out_dir=self.out / "eval" if main else None, write_samples=False, **kw)
         result: dict[str, Any] = {"trained": trained, "eval_seconds": time.time() - t0}
         if self.initial_state is not None:
             cache = self._baseline_cache_file(kw)
@@ -734,8 +677,22 @@ class GRPOTrainer:
             "rng_per_rank": self.dist.gather_object(rng_states()),  # every RNG of every rank (collective)
             "prompt_sampler": self.prompt_sampler.state_dict(),
             "faults": self.nonfinite.state_dict(),
+            "harness": self.harness_state(),  # time-budget measurements, hacking-guard gold/alarm history
             "world_size": self.dist.world_size,
         }
+
+    def harness_state(self) -> dict[str, Any]:
+        """state_dict of every stateful harness object (the EMA weights travel as tensors under "ema")."""
+        st: dict[str, Any] = {"budget": self.budget.state_dict()}
+        if self.guard_ is not None:
+            st["guard"] = self.guard_.state_dict()
+        return st
+
+    def load_harness_state(self, st: dict[str, Any]) -> None:
+        if "budget" in st:
+            self.budget.load_state_dict(st["budget"])
+        if self.guard_ is not None and "guard" in st:
+            self.guard_.load_state_dict(st["guard"])
 
     def _ema_state(self) -> dict[str, torch.Tensor] | None:
         """The EMA weights by parameter name; under FSDP (EMA sharded like the weights) gathered to rank 0."""
@@ -782,4 +739,5 @@ class GRPOTrainer:
             set_rng_states(st["rng_per_rank"][min(self.dist.rank, len(st["rng_per_rank"]) - 1)])
         self.prompt_sampler.load_state_dict(st["prompt_sampler"])
         self.nonfinite.load_state_dict(st.get("faults", {}))
+        self.load_harness_state(st.get("harness", {}))
         self.iteration = st["iteration"]

@@ -1,0 +1,166 @@
+"""The harness around the training loop: small stateful objects, each with `state_dict` / `load_state_dict`.
+
+The loop (`trainer/grpo.py`) is rollout → reward → credit → objective loss → optimizer step → log → checkpoint; what
+decides *when* to stop, *which* weights are evaluated and *whether* the reward is being hacked lives here:
+
+    PhaseTimer    wall seconds per phase of one iteration (and the test-only fault-injection points)
+    TimeBudget    run.budget_minutes: stop before one more iteration + the final evaluation would not fit
+    EMAWeights    optim.ema_decay: the EMA of the trainable weights, swapped in for every evaluation
+    HackingGuard  run.gold_reward: held-out gold reward + the train-up/gold-down alarm (rewards/guards.py)
+
+The trainer saves `{name: obj.state_dict()}` of these in every checkpoint, so a resumed run continues with the same
+measured rates, EMA and gold/alarm history.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from .faults import inject_point
+
+
+@dataclass
+class PhaseTimer:
+    """Wall-clock seconds per phase of one iteration: `with timer("rollout"): ...`."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    iteration: int = 0  # the iteration in progress (1-based), for the test-only fault-injection points
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        inject_point(name, self.iteration)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+class TimeBudget:
+    """run.budget_minutes: True from `over()` when one more iteration plus the final evaluation would not fit.
+
+    The iteration time is the median of the measured ones; the evaluation time is its forward count over the median
+    forward-images/s of the rollouts (the evaluation samples with the same model at the same batch size), plus 10% and
+    10 s for rewards and writing. Measured (2-core AVX2 CPU, fp32, shared): the two evaluations took 140-178 s where
+    the rollout rate alone predicted 148-169 s, so the 10% is needed. Before the first iteration nothing is predicted
+    (the first one always runs).
+    """
+
+    def __init__(self, minutes: float, t_created: float, eval_forwards: Callable[[], int]):
+        """minutes: the budget (0 = none); t_created: when the job started (setup counts); eval_forwards: the model
+        forward-images the final evaluation will cost (called once, lazily)."""
+        self.budget_s = 60.0 * minutes
+        self.t_created = t_created
+        self._eval_forwards_fn = eval_forwards
+        self._eval_forwards: int | None = None
+        self.iter_seconds: list[float] = []  # wall seconds per iteration (logging, grids and checkpoints included)
+        self.fwd_rates: list[float] = []  # model forward-images per second measured in the rollout phase
+
+    def record(self, iter_seconds: float, nfe_rollout: float, rollout_seconds: float) -> None:
+        self.iter_seconds.append(iter_seconds)
+        if rollout_seconds > 0:
+            self.fwd_rates.append(nfe_rollout / rollout_seconds)
+
+    def predicted_eval_seconds(self) -> float:
+        if self._eval_forwards is None:
+            self._eval_forwards = self._eval_forwards_fn()
+        return 1.1 * self._eval_forwards / statistics.median(self.fwd_rates) + 10.0
+
+    def over(self) -> bool:
+        if self.budget_s <= 0 or not self.iter_seconds or not self.fwd_rates:
+            return False
+        elapsed = time.time() - self.t_created
+        return elapsed + statistics.median(self.iter_seconds) + self.predicted_eval_seconds() > self.budget_s
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"iter_seconds": list(self.iter_seconds), "fwd_rates": list(self.fwd_rates)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # the measured rates carry over; the clock is the resumed job's own (budget_minutes counts from its start)
+        self.iter_seconds = [float(x) for x in state.get("iter_seconds", [])]
+        self.fwd_rates = [float(x) for x in state.get("fwd_rates", [])]
+
+
+class EMAWeights:
+    """optim.ema_decay: e ← decay·e + (1 − decay)·θ after every optimizer step; evaluations use the EMA weights.
+
+    `shadow` is a list of tensors in the order of the trainable parameters (under FSDP sharded like them).
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], decay: float):
+        self.decay = decay
+        self.shadow = [p.detach().clone() for p in params] if decay > 0 else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.shadow is not None
+
+    @torch.no_grad()
+    def update(self, params: Sequence[torch.Tensor]) -> None:
+        if self.shadow is None:
+            return
+        for e, p in zip(self.shadow, params):
+            e.lerp_(p.detach(), 1 - self.decay)
+
+    @contextlib.contextmanager
+    def swapped_in(self, params: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Within the block the parameters hold the EMA weights (no-op when off); restored afterwards."""
+        if self.shadow is None:
+            yield
+            return
+        backup = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, e in zip(params, self.shadow):
+                p.copy_(e)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, b in zip(params, backup):
+                    p.copy_(b)
+
+
+class HackingGuard:
+    """run.gold_reward: the held-out gold reward every gold_every iterations and the hacking alarm (issue G.6).
+
+    `step` feeds the alarm with the training reward and diversity every iteration; when the gold reward is due it
+    calls `sample_fn(prompts, metadata) -> images` (the trainer samples with the EMA weights) and returns the
+    gold.jsonl line (with the alarm state), else None.
+    """
+
+    def __init__(self, gold: Any, alarm: Any):
+        self.gold, self.alarm = gold, alarm
+
+    @classmethod
+    def from_config(cls, run_cfg: Any, build_reward: Callable[[str], Any]) -> "HackingGuard | None":
+        if not run_cfg.gold_reward:
+            return None
+        from ..rewards.guards import GoldMonitor, HackingAlarm
+
+        gold = GoldMonitor.from_prompts(build_reward(run_cfg.gold_reward), run_cfg.gold_prompts, every=run_cfg.gold_every,
+                                        limit=run_cfg.gold_limit)
+        return cls(gold, HackingAlarm(window=run_cfg.alarm_window))
+
+    def step(self, iteration: int, stats: dict[str, Any], sample_fn: Callable) -> dict[str, Any] | None:
+        self.alarm.update_train(iteration, stats["reward_mean"])
+        self.alarm.update_diversity(iteration, stats["diversity"])
+        if not self.gold.due(iteration):
+            return None
+        rec = self.gold.run(iteration, sample_fn)
+        self.alarm.update_gold(iteration, rec.mean)
+        state = self.alarm.check()
+        return {"iteration": iteration, "gold": rec.mean, "train_reward": stats["reward_mean"], "diversity": stats["diversity"],
+                "alarm": state.fired, "message": state.message}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"gold": self.gold.state_dict(), "alarm": self.alarm.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.gold.load_state_dict(state.get("gold", {}))
+        self.alarm.load_state_dict(state.get("alarm", {}))
