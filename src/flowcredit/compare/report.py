@@ -98,11 +98,11 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
     import matplotlib.pyplot as plt
 
     runs: dict[str, list[dict[str, Any]]] = {}
-    for r in study.runs:
-        runs[r.name] = [
-            {**load_run(run_dir(out, r, s)), "seed": s}
+    for arm_run in study.runs:
+        runs[arm_run.name] = [
+            {**load_run(run_dir(out, arm_run, s)), "seed": s}
             for s in study.seeds
-            if (run_dir(out, r, s) / "metrics.jsonl").exists()
+            if (run_dir(out, arm_run, s) / "metrics.jsonl").exists()
         ]
     baseline = study.baseline or study.runs[0].name
     lines = [
@@ -230,9 +230,9 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
     # --- per tag -----------------------------------------------------------------------------------------------
     tags: list[str] = []
     for rs in runs.values():
-        for r in rs:
-            if r["final"] and "strict_by_tag" in r["final"]["trained"]:
-                tags = list(r["final"]["trained"]["strict_by_tag"])
+        for rec in rs:
+            if rec["final"] and "strict_by_tag" in rec["final"]["trained"]:
+                tags = list(rec["final"]["trained"]["strict_by_tag"])
                 break
     if tags:
         lines += [
@@ -260,12 +260,15 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
         "|---|---|---|---|---|---|---|",
     ]
     for name, rs in runs.items():
-        ms = [x for r in rs for x in r["metrics"]]
-        if not ms:
+        mets = [x for r in rs for x in r["metrics"]]
+        if not mets:
             continue
-        phases = sorted({k for x in ms for k in x.get("seconds", {})})
-        ph = ", ".join(f"{p} {np.mean([x['seconds'].get(p, 0.0) for x in ms]):.2f}" for p in phases)
-        g = lambda k, ms=ms: np.mean([x.get(k, 0) for x in ms])  # noqa: E731
+        phases = sorted({k for x in mets for k in x.get("seconds", {})})
+        ph = ", ".join(f"{p} {np.mean([x['seconds'].get(p, 0.0) for x in mets]):.2f}" for p in phases)
+
+        def g(k: str, mets: list[dict[str, Any]] = mets) -> float:
+            return float(np.mean([x.get(k, 0) for x in mets]))
+
         lines.append(
             f"| {name} | {g('seconds_total'):.2f} | {g('nfe_rollout'):.0f} | {g('nfe_estimates'):.0f} | "
             f"{g('nfe_update'):.0f} | {g('reward_calls'):.0f} | {ph} |"
@@ -279,9 +282,9 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
         if any(k in x for rs in runs.values() for r in rs for x in r["metrics"])
     ]
     if diag_keys:
-        for r in (r for rs in runs.values() for r in rs):
+        for rec in (rec for rs in runs.values() for rec in rs):
             for k in diag_keys:
-                r[k] = np.array([x.get(k, np.nan) for x in r["metrics"]], dtype=float)
+                rec[k] = np.array([x.get(k, np.nan) for x in rec["metrics"]], dtype=float)
         fig, axes = plt.subplots(1, len(diag_keys), figsize=(5.5 * len(diag_keys), 4), squeeze=False)
         for ax, k in zip(axes[0], diag_keys):
             has = {n: [r for r in rs if np.all(np.isfinite(r[k]))] for n, rs in runs.items()}
@@ -319,11 +322,11 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
         ]
         for n, rs in runs.items()
     }
-    gain_runs = {n: g for n, g in gain_runs.items() if g}
+    gain_runs = {n: gains for n, gains in gain_runs.items() if gains}
     if gain_runs:
         fig, ax = plt.subplots(figsize=(6, 4))
-        for n, g in gain_runs.items():
-            arr = np.array(g)
+        for n, gains in gain_runs.items():
+            arr = np.array(gains)
             ax.plot(np.arange(arr.shape[1]), arr.mean(0), marker="o", label=n)
         ax.set_xlabel("step index j (t = 1 → 0)")
         ax.set_ylabel("mean |gain| = |ρ_{j+1} − ρ_j|")
@@ -415,7 +418,7 @@ def reward_trajectory_figure(run: Path, png: Path, prompt_index: int = 0, group:
     rho = ShapesReward()(imgs, [prompts[0]] * len(imgs), [meta[0]] * len(imgs)).scores.view(group, T + 1)
     u8 = to_uint8_hwc(imgs).numpy().reshape(group, T + 1, *imgs.shape[2:], 3)
     fig = plt.figure(figsize=(1.1 * (T + 1), 2.5 + 1.1 * group))
-    ax = fig.add_axes([0.1, 1 - 2.1 / (2.5 + 1.1 * group), 0.88, 1.6 / (2.5 + 1.1 * group)])
+    ax = fig.add_axes((0.1, 1 - 2.1 / (2.5 + 1.1 * group), 0.88, 1.6 / (2.5 + 1.1 * group)))
     for i in range(group):
         ax.plot(range(T + 1), rho[i].numpy(), marker="o", label=f"sample {i}")
     ax.set_xlabel("state j (t = 1 → 0)")
@@ -425,12 +428,12 @@ def reward_trajectory_figure(run: Path, png: Path, prompt_index: int = 0, group:
     for i in range(group):
         for j in range(T + 1):
             a = fig.add_axes(
-                [
+                (
                     0.06 + 0.92 * j / (T + 1),
                     (group - 1 - i) * 1.1 / (2.5 + 1.1 * group) + 0.01,
                     0.9 / (T + 1),
                     1.0 / (2.5 + 1.1 * group),
-                ]
+                )
             )
             a.imshow(u8[i, j], interpolation="nearest")
             a.axis("off")

@@ -24,10 +24,10 @@ def t_quantile(dof: int) -> float:
 
 def interpolate(x: Sequence[float], y: Sequence[float], grid: np.ndarray) -> np.ndarray:
     """y(x) linearly interpolated on `grid`; NaN outside the observed x range (no extrapolation)."""
-    x = np.asarray(x, dtype=float)
-    y = np.asarray(y, dtype=float)
-    out = np.interp(grid, x, y)
-    out[(grid < x.min()) | (grid > x.max())] = np.nan
+    xa = np.asarray(x, dtype=float)
+    ya = np.asarray(y, dtype=float)
+    out = np.interp(grid, xa, ya)
+    out[(grid < xa.min()) | (grid > xa.max())] = np.nan
     return out
 
 
@@ -67,15 +67,15 @@ def time_to_target(x: Sequence[float], y: Sequence[float], target: float) -> flo
 
     Returns None when the curve never reaches the target ("never reached").
     """
-    x = np.asarray(x, dtype=float)
-    y = np.asarray(y, dtype=float)
-    hit = np.nonzero(y >= target)[0]
+    xa = np.asarray(x, dtype=float)
+    ya = np.asarray(y, dtype=float)
+    hit = np.nonzero(ya >= target)[0]
     if hit.size == 0:
         return None
     k = int(hit[0])
     if k == 0:
-        return float(x[0])
-    x0, x1, y0, y1 = x[k - 1], x[k], y[k - 1], y[k]
+        return float(xa[0])
+    x0, x1, y0, y1 = xa[k - 1], xa[k], ya[k - 1], ya[k]
     return float(x0 + (target - y0) * (x1 - x0) / (y1 - y0)) if y1 != y0 else float(x1)
 
 

@@ -30,7 +30,7 @@ def _has_default(f: dataclasses.Field) -> bool:
 def _default(f: dataclasses.Field) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
-    return f.default_factory()  # type: ignore[misc]
+    return f.default_factory()  # type: ignore[misc,operator]  # MISSING ruled out by _has_default
 
 
 def _is_union(tp: Any) -> bool:
@@ -83,7 +83,7 @@ def _how_to_write(tp: Any) -> str:
         return "write a YAML list such as [a, b] (override: key=[a,b])"
     if origin in (dict, Mapping) or tp is dict:
         return "write a mapping such as {key: value}"
-    if dataclasses.is_dataclass(tp):
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         keys = ", ".join(f.name for f in _init_fields(tp))
         return f"write a mapping with keys among: {keys}"
     return f"write a value of type {_type_name(tp)}"

@@ -234,7 +234,11 @@ class _Builder:
                 tail = "" if close else "; remove it or move it to the section it belongs to"
                 valid = f"valid keys in {section}: {', '.join(fields) or '(none)'}{tail}"
                 fix = f"{hint}{valid}"
-                raise self.error(_join(path, key), lambda k, at, fix=fix: f"unknown key '{k}'{at}; {fix}")
+
+                def unknown(k: str, at: str, fix: str = fix) -> str:
+                    return f"unknown key '{k}'{at}; {fix}"
+
+                raise self.error(_join(path, key), unknown)
 
         data = self.apply_links(cls, data, path)
         kwargs = {}

@@ -186,10 +186,11 @@ def _item_dataclass(tp: Any) -> type | None:
                 return found
         return None
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (list, tuple, Sequence) and args and dataclasses.is_dataclass(args[0]):
-        return args[0]
-    if origin in (dict, Mapping) and len(args) == 2 and dataclasses.is_dataclass(args[1]):
-        return args[1]
+    item = args[0] if origin in (list, tuple, Sequence) and args else None
+    if origin in (dict, Mapping) and len(args) == 2:
+        item = args[1]
+    if dataclasses.is_dataclass(item) and isinstance(item, type):
+        return item
     return None
 
 

@@ -81,7 +81,7 @@ def _apply_overrides(data: Mapping, overrides: Iterable[str]) -> tuple[dict, dic
                     key=path,
                     source=where,
                 )
-            path = _item(path, part) if isinstance(node, list) else _join(path, part)
+            path = _item(path, part) if isinstance(part, int) else _join(path, part)
             if last:
                 node[part] = value
             else:

@@ -100,13 +100,13 @@ class GroupMoments(NamedTuple):
         mean: (P, K) group mean.
         std: (P, K) group population std.
         constant: (P, K) bool, True when every (unmasked) value of the cell is exactly equal, or the cell is empty.
-        count: (P, K) number of values in the cell.
+        counts: (P, K) number of values in the cell.
     """
 
     mean: Tensor
     std: Tensor
     constant: Tensor
-    count: Tensor
+    counts: Tensor  # not `count`: that would shadow tuple.count
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
@@ -170,7 +170,7 @@ def group_moments(
     g_hi = torch.full_like(zeros, float("-inf")).scatter_reduce(0, idx, hi, reduce="amax")
     g_lo = torch.full_like(zeros, float("inf")).scatter_reduce(0, idx, lo, reduce="amin")
     constant = g_hi <= g_lo  # equal values, or empty cell (-inf <= inf)
-    return GroupMoments(mean=mean, std=var.clamp_min(0).sqrt(), constant=constant, count=count)
+    return GroupMoments(mean=mean, std=var.clamp_min(0).sqrt(), constant=constant, counts=count)
 
 
 def safe_zscore(x: Tensor, center: Tensor, scale: Tensor, constant: Tensor, eps: float) -> Tensor:

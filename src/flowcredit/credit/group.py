@@ -16,6 +16,7 @@ from flowcredit.credit.base import (
     CreditCfg,
     CreditInput,
     CreditOutput,
+    Stats,
     compute_dtype,
     group_index,
     group_moments,
@@ -53,7 +54,7 @@ def group_relative_rewards(
     return safe_zscore(r[:, None], mom.mean[inverse], scale, mom.constant[inverse], eps)[:, 0]
 
 
-def reward_stats(rewards: Tensor, group_ids: Tensor) -> dict[str, float]:
+def reward_stats(rewards: Tensor, group_ids: Tensor) -> Stats:
     """Terminal-reward diagnostics logged by every estimator.
 
     Args:

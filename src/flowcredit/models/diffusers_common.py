@@ -158,6 +158,7 @@ class DiffusersFlowModel(nn.Module):
     family = "?"
     pipeline_name = "?"
     default_lora_targets: tuple[str, ...] = ()
+    latent_shape: tuple[int, ...]  # set by each family's __init__
     default_max_sequence_length = 256
 
     def __init__(self, pipe, cfg, *, max_sequence_length: int | None = None, cache_size: int = 256,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from ..config.schema import ModelCfg
+from ..types import FlowModel
 
 
-def build_model(cfg: ModelCfg, device: str = "cpu"):
+def build_model(cfg: ModelCfg, device: str = "cpu") -> FlowModel:
     """Return a FlowModel for `cfg` on `device`.
 
     tiny: the built-in model. sd3 / flux: the diffusers adapters. LoRA (peft) is added at build time when
@@ -38,14 +39,13 @@ def build_model(cfg: ModelCfg, device: str = "cpu"):
         if cfg.name == "sd3":
             from .sd3 import SD3FlowModel
 
-            model = SD3FlowModel.from_pretrained(cfg.path, cfg, **kw)
+            return SD3FlowModel.from_pretrained(cfg.path, cfg, **kw).to(device)
         else:
             from .flux import FluxFlowModel
 
             if getattr(cfg, "embedded_guidance", None) is not None:
                 kw["embedded_guidance"] = cfg.embedded_guidance
-            model = FluxFlowModel.from_pretrained(cfg.path, cfg, **kw)
-        return model.to(device)
+            return FluxFlowModel.from_pretrained(cfg.path, cfg, **kw).to(device)
     raise ValueError(f"model.name={cfg.name!r}; valid: tiny, sd3, flux")
 
 

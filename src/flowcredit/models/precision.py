@@ -10,6 +10,8 @@ PyTorch's own CPU bf16 tests use) and CUDA, and falls back to fp32 when it canno
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -28,7 +30,7 @@ def fast_bf16(device: str | torch.device = "cpu") -> bool:
     return False
 
 
-def resolve_precision(precision: str, device: str | torch.device = "cpu") -> str:
+def resolve_precision(precision: str, device: str | torch.device = "cpu") -> Literal["fp32", "bf16"]:
     """'auto' → 'bf16' if `fast_bf16(device)` else 'fp32'; 'fp32' / 'bf16' are returned as given.
 
     Raises ValueError (one line naming model.precision and the valid values) for anything else.
@@ -36,5 +38,5 @@ def resolve_precision(precision: str, device: str | torch.device = "cpu") -> str
     if precision not in PRECISIONS:
         raise ValueError(f"model.precision={precision!r}; valid: {', '.join(PRECISIONS)}")
     if precision != "auto":
-        return precision
+        return "bf16" if precision == "bf16" else "fp32"
     return "bf16" if fast_bf16(device) else "fp32"

@@ -23,6 +23,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -151,9 +152,10 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
         hidden = int(width * mlp_ratio)
         self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, width))
-        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(width, 6 * width))
-        nn.init.zeros_(self.ada[1].weight)
-        nn.init.zeros_(self.ada[1].bias)
+        ada = nn.Linear(width, 6 * width)
+        self.ada = nn.Sequential(nn.SiLU(), ada)
+        nn.init.zeros_(ada.weight)
+        nn.init.zeros_(ada.bias)
 
     def forward(self, x: Tensor, c: Tensor, attn_mask: Tensor | None) -> Tensor:
         """x: (B, N, D) tokens; c: (B, D) conditioning; attn_mask: (B, 1, 1, N) bool (True = attend) or None."""
@@ -202,10 +204,11 @@ class TinyDiT(nn.Module):
         self.pool_mlp = nn.Sequential(nn.Linear(D, D), nn.SiLU(), nn.Linear(D, D))
         self.blocks = nn.ModuleList([Block(D, cfg.heads, cfg.mlp_ratio) for _ in range(cfg.depth)])
         self.norm_out = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
-        self.ada_out = nn.Sequential(nn.SiLU(), nn.Linear(D, 2 * D))
+        ada_out = nn.Linear(D, 2 * D)
+        self.ada_out = nn.Sequential(nn.SiLU(), ada_out)
         self.patch_out = nn.Linear(D, C * p * p)
-        nn.init.zeros_(self.ada_out[1].weight)
-        nn.init.zeros_(self.ada_out[1].bias)
+        nn.init.zeros_(ada_out.weight)
+        nn.init.zeros_(ada_out.bias)
         nn.init.zeros_(self.patch_out.weight)
         nn.init.zeros_(self.patch_out.bias)
 
@@ -261,7 +264,7 @@ class TinyFlowModel(nn.Module):
         self.cfg = cfg or TinyDiTConfig()
         self.net = TinyDiT(self.cfg)
         self.tokenizer = WordTokenizer(self.cfg.vocabulary, self.cfg.max_text_len)
-        self.latent_shape = (self.cfg.channels, self.cfg.resolution, self.cfg.resolution)
+        self.latent_shape: tuple[int, ...] = (self.cfg.channels, self.cfg.resolution, self.cfg.resolution)
         self.compute_dtype: torch.dtype = torch.float32
         self.lora: dict | None = None  # {"rank", "alpha", "targets"} once `add_lora` ran
 
@@ -304,7 +307,11 @@ class TinyFlowModel(nn.Module):
         targets = list(targets) if targets else list(DEFAULT_LORA_TARGETS)
         try:
             inject_adapter_in_model(
-                LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets), self.net
+                # peft annotates lora_alpha as int; any positive float works (scaling = alpha / r)
+                LoraConfig(
+                    r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets  # type: ignore[arg-type]
+                ),
+                self.net,
             )
         except ValueError as e:  # peft: "Target modules ... not found in the base model"
             raise ValueError(
@@ -318,7 +325,7 @@ class TinyFlowModel(nn.Module):
     def has_lora(self) -> bool:
         return self.lora is not None
 
-    def _lora_layers(self) -> list[nn.Module]:
+    def _lora_layers(self) -> list[Any]:  # peft LoraLayer (peft is optional)
         from peft.tuners.lora import LoraLayer
 
         return [m for m in self.net.modules() if isinstance(m, LoraLayer)]

@@ -72,9 +72,9 @@ def read_preprocessor_config(path: str, local_files_only: bool = True, revision:
         return json.load(open(f)) if os.path.isfile(f) else {}
     from transformers.utils import cached_file
 
-    f = cached_file(path, "preprocessor_config.json", local_files_only=local_files_only, revision=revision,
-                    _raise_exceptions_for_missing_entries=False)
-    return json.load(open(f)) if f else {}
+    cached = cached_file(path, "preprocessor_config.json", local_files_only=local_files_only, revision=revision,
+                         _raise_exceptions_for_missing_entries=False)
+    return json.load(open(cached)) if cached else {}
 
 
 class ImagePreprocessor:
@@ -93,7 +93,7 @@ class ImagePreprocessor:
             short = size.get("shortest_edge") or min(size.get("height", image_size), size.get("width", image_size))
         else:
             short = int(size)
-        crop = cfg.get("crop_size", short)
+        crop: Any = cfg.get("crop_size", short)
         crop = (crop["height"], crop["width"]) if isinstance(crop, dict) else (int(crop), int(crop))
         return cls(
             short, crop, cfg.get("image_mean", OPENAI_CLIP_MEAN), cfg.get("image_std", OPENAI_CLIP_STD), quantize
@@ -221,7 +221,8 @@ class _CLIPReward(Reward):
         self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any
     ) -> RewardOutput:
         check_inputs(self.name, images, prompts, None)
-        scores, comps = [], {}
+        scores: list[Tensor] = []
+        comps: dict[str, list[Tensor]] = {}
         for sl in chunks(images.shape[0], self.batch_size):
             s, c = self._score(images[sl], list(prompts)[sl])
             scores.append(s.cpu())

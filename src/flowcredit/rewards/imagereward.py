@@ -65,8 +65,8 @@ _VISION_RULES = [  # original BLIP ViT name → transformers BlipVisionModel nam
 _IGNORED = re.compile(r"(position_ids$|^itm_head\.)")
 
 
-def rename_original_key(key: str) -> str | None:
-    """Map an `ImageReward.pt` key to a transformers BLIP key ("head." prefix for the MLP); None = not a weight."""
+def rename_original_key(key: str) -> str:
+    """Map an `ImageReward.pt` key to a transformers BLIP key ("head." prefix for the MLP)."""
     if key.startswith("mlp."):
         return "head." + key[len("mlp."):]
     if not key.startswith("blip."):
@@ -138,13 +138,14 @@ class ImageRewardReward(Reward):
                 cfg = tf.BlipConfig.from_pretrained(config, **kw)
                 cfg.vision_config.image_size = image_size or 224
                 blip = tf.BlipForImageTextRetrieval(cfg)
+                assert checkpoint is not None  # exactly one of model / checkpoint (checked above)
                 blip_sd, head_sd = _split_original(load_state_dict_file(checkpoint))
                 self._load_strict(blip, blip_sd, checkpoint)
         except OSError as e:
             raise ValueError(f"reward 'imagereward': cannot load ({e}); local_files_only={local_files_only}") from e
         tok_src = tokenizer if tokenizer is not None else model
-        self.tokenizer = tf.AutoTokenizer.from_pretrained(tok_src, **kw) if isinstance(tok_src, str) else tok_src
-        self.blip = blip.to(self.device, self.dtype).eval().requires_grad_(False)
+        self.tokenizer: Any = tf.AutoTokenizer.from_pretrained(tok_src, **kw) if isinstance(tok_src, str) else tok_src
+        self.blip: Any = blip.to(self.device, self.dtype).eval().requires_grad_(False)
         dim = int(blip.config.text_config.hidden_size)
         self.head = AestheticMLP(dim)
         try:

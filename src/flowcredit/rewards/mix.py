@@ -224,6 +224,7 @@ def build_mix(
     if spec is not None:
         items = [{"name": n, "weight": w} for n, w in parse_mix(spec)]
     else:
+        assert components is not None  # exactly one of components / spec
         for c in components:
             if isinstance(c, str):
                 items += [{"name": n, "weight": w} for n, w in parse_mix(c)]

@@ -88,7 +88,7 @@ class RewardServer:
                  max_body_bytes: int = 64 << 20, max_pixels: int = 4096 * 4096, max_batch: int = 256,
                  batch_wait_s: float = 0.005, request_timeout: float = 60.0, name: str | None = None):
         self.reward = reward
-        self.name = name or getattr(reward, "name", type(reward).__name__)
+        self.name: str = name or str(getattr(reward, "name", type(reward).__name__))
         self.token = token or None
         self.max_body_bytes, self.max_pixels, self.max_batch = int(max_body_bytes), int(max_pixels), int(max_batch)
         self.batch_wait_s = float(batch_wait_s)
@@ -104,7 +104,8 @@ class RewardServer:
 
     @property
     def address(self) -> tuple[str, int]:
-        return self._httpd.server_address[:2]
+        host, port = self._httpd.server_address[:2]
+        return str(host), int(port)
 
     @property
     def url(self) -> str:

@@ -76,7 +76,7 @@ def png_bytes(img_hwc: np.ndarray, size: int | None = None) -> bytes:
 
     im = Image.fromarray(img_hwc)
     if size is not None and im.size != (size, size):
-        im = im.resize((size, size), Image.BICUBIC)
+        im = im.resize((size, size), Image.Resampling.BICUBIC)
     buf = io.BytesIO()
     im.save(buf, format="PNG")
     return buf.getvalue()
@@ -256,7 +256,8 @@ class VLMJudgeReward(Reward):
         pngs = [png_bytes(a, self.image_size) for a in to_uint8_hwc(images).numpy()]
         keys = [(hashlib.sha256(p).hexdigest(), pr) for p, pr in zip(pngs, prompts)]
         raw: list[float | None] = [None] * b
-        replies, attempts, errors = [""] * b, [0] * b, [None] * b
+        replies, attempts = [""] * b, [0] * b
+        errors: list[str | None] = [None] * b
         hits = 0
         todo = []
         with self._lock:
@@ -289,8 +290,9 @@ class VLMJudgeReward(Reward):
             )
         with self._lock:
             for i in todo:
-                if raw[i] is not None and self.cache_size > 0:
-                    self._cache[keys[i]] = (raw[i], replies[i])
+                score = raw[i]
+                if score is not None and self.cache_size > 0:
+                    self._cache[keys[i]] = (score, replies[i])
                     self._cache.move_to_end(keys[i])
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)

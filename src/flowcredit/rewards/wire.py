@@ -76,7 +76,7 @@ def encode_images(images: Tensor, encoding: str = "png") -> dict[str, Any]:
 
 def encode_request(images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None,
                    encoding: str = "png") -> bytes:
-    body = {"schema": SCHEMA, "images": encode_images(images, encoding), "prompts": list(prompts)}
+    body: dict[str, Any] = {"schema": SCHEMA, "images": encode_images(images, encoding), "prompts": list(prompts)}
     if metadata is not None:
         body["metadata"] = [dict(m) for m in metadata]
     return json.dumps(body).encode()

@@ -156,7 +156,7 @@ def trajectory_estimates(
     for start in range(0, sample_idx.shape[0], chunk_size):
         rows, states = sample_idx[start : start + chunk_size], state_idx[start : start + chunk_size]
         v_first = traj.velocities[rows, states].float() if traj.velocities is not None else None
-        chunk_uncond = cond_index(uncond, rows) if uncond_per_row else uncond
+        chunk_uncond = cond_index(uncond, rows) if uncond is not None and uncond_per_row else uncond
         est, spent = _denoise(
             model,
             latents[rows, states],

@@ -57,6 +57,7 @@ def policy_velocity(
     if not cfg_active(uncond, guidance_scale):
         v = model.velocity(x_t, t, cond).float()
     else:
+        assert uncond is not None  # cfg_active
         if batch > 1 and next(iter(uncond.values())).shape[0] == 1:
             uncond = cond_repeat(uncond, batch)
         v_both = model.velocity(

@@ -122,7 +122,7 @@ def rollout(
     cond = model.encode_prompts(list(prompts)) if cond is None else cond
     if uncond is None and float(guidance_scale) != 1.0:
         uncond = model.encode_prompts([""])
-    if cfg_active(uncond, guidance_scale) and next(iter(uncond.values())).shape[0] == 1:
+    if uncond is not None and cfg_active(uncond, guidance_scale) and next(iter(uncond.values())).shape[0] == 1:
         uncond = cond_repeat(uncond, batch)
     device = _cond_device(cond)
     timesteps = timesteps.to(device)

@@ -74,7 +74,8 @@ class SamplerParams:
         _check_name(self.name)
         if self.noise_level is None:
             object.__setattr__(self, "noise_level", DEFAULT_NOISE_LEVEL.get(self.name, 0.0))
-        if not self.noise_level >= 0:
+        level: float = self.noise_level  # type: ignore[assignment]  # filled in just above
+        if not level >= 0:
             raise ValueError(f"noise_level must be >= 0, got {self.noise_level!r}.")
         for field_name, value, valid in (
             ("reduce", self.reduce, REDUCTIONS),

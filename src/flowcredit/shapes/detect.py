@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
+from typing import Any
 
 import numpy as np
 from scipy import ndimage
@@ -120,7 +121,7 @@ class DetectorConfig:
         """Config for a World: its shapes, and min_area ≈ 25% of the smallest ground-truth object's area."""
         s_min = min(world.size_range_crowded[0], world.size_range[0])
         smallest = min(_shape_fill(s) for s in world.shapes) * (2.0 * s_min) ** 2
-        kw = {"shapes": tuple(world.shapes), "min_area": max(int(np.floor(0.25 * smallest)), 1)}
+        kw: dict[str, Any] = {"shapes": tuple(world.shapes), "min_area": max(int(np.floor(0.25 * smallest)), 1)}
         kw.update(overrides)
         return cls(**kw)
 
@@ -373,7 +374,7 @@ def detect(image: np.ndarray, config: DetectorConfig | None = None) -> Detection
             soft = _soft_window(img, cc, idx, labels, lv, y0, y1, x0, x1) if cfg.moment_templates else None
             shape, score, per_shape = classify(mask, cfg, soft)
             if shape is None:
-                best = max(per_shape, key=per_shape.get)
+                best = max(per_shape, key=lambda name: per_shape[name])
                 unknown.append(Blob(box, area, color, "shape", best, score))
                 junk += area
                 continue

@@ -121,12 +121,13 @@ def evaluate(
                     )
             if "position" in req and matched:
                 expected_rel, target_group = req["position"][0], int(req["position"][1])
-                if matched_groups[target_group] is None:
+                targets = matched_groups[target_group]
+                if targets is None:
                     correct = matched = False
                     reason.append(f"no target for {classname} to be {expected_rel}")
                 else:
                     for obj in found:
-                        for target in matched_groups[target_group]:
+                        for target in targets:
                             rels, _ = relative_position(obj.box, target.box, position_threshold)
                             if expected_rel not in rels:
                                 correct = matched = False

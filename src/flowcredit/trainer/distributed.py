@@ -174,25 +174,25 @@ class Dist:
         flags = torch.tensor([p.grad is not None for p in params] + [local_bad], dtype=torch.float32, device=dev)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         has = flags[:-1].bool().tolist()
-        live = []
+        grads: list[torch.Tensor] = []  # the gradients to sum, in parameter order (all ranks agree on the set)
         for p, h in zip(params, has):
             if h:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                live.append(p)
-        bucket: list[torch.nn.Parameter] = []
+                grads.append(p.grad)
+        bucket: list[torch.Tensor] = []
         numel = 0
-        for p in live + [None]:
-            if p is not None:
-                bucket.append(p)
-                numel += p.numel()
-            if bucket and (p is None or numel >= GRAD_BUCKET_NUMEL):
-                flat = torch.cat([q.grad.reshape(-1).to(dev, torch.float32) for q in bucket])
+        for g in [*grads, None]:
+            if g is not None:
+                bucket.append(g)
+                numel += g.numel()
+            if bucket and (g is None or numel >= GRAD_BUCKET_NUMEL):
+                flat = torch.cat([q.reshape(-1).to(dev, torch.float32) for q in bucket])
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM)
                 off = 0
                 for q in bucket:
                     n = q.numel()
-                    q.grad.copy_(flat[off : off + n].view_as(q.grad))
+                    q.copy_(flat[off : off + n].view_as(q))
                     off += n
                 bucket, numel = [], 0
         return bool(flags[-1] > 0)

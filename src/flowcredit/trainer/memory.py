@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from typing import cast
 
 import torch
+
+from ..types import FlowModel
 
 
 class OffloadedAdamW:
@@ -71,12 +74,12 @@ class ReferenceOffload:
 
     def load(self) -> None:
         """Reference weights onto the device (start of the update phase)."""
-        if self.enabled:
+        if self.enabled and self.ref is not None:
             self.ref.to(self.device)
 
     def park(self) -> None:
         """Reference weights back to CPU memory (end of the update phase)."""
-        if self.enabled:
+        if self.enabled and self.ref is not None:
             self.ref.to("cpu")
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -91,6 +94,7 @@ class ReferenceOffload:
         from ..samplers.sde import sampler_step
         from ..types import cond_index
 
+        ref = cast(FlowModel, self.ref)  # step_means is called only when enabled, i.e. with a reference model
         pairs = sorted(set(pairs))
         means = torch.zeros_like(traj.latents[:, :-1])
         self.load()
@@ -100,7 +104,7 @@ class ReferenceOffload:
                 ji = torch.tensor([p[1] for p in pairs[s : s + chunk]])
                 x_t, t = traj.latents[bi, ji], traj.timesteps[ji]
                 u = cond_index(uncond, bi) if uncond is not None else None
-                v = policy_velocity(self.ref, x_t, t, cond_index(cond, bi), u, guidance)
+                v = policy_velocity(ref, x_t, t, cond_index(cond, bi), u, guidance)
                 means[bi, ji] = sampler_step(
                     params, x_t, v, t, traj.timesteps[ji + 1], x_next=traj.latents[bi, ji + 1]
                 ).mean
