@@ -219,7 +219,7 @@ def test_methods_train_two_iterations(tmp_path, method):
     moved = max((p.detach() - before[n]).abs().max().item() for n, p in tr.model.net.named_parameters() if n in before)
     assert moved > 0
     assert all("lora_" in n for n in before)
-    assert (tmp_path / "run" / "checkpoints" / "iter000002.pt").exists()
+    assert (tmp_path / "run" / "checkpoints" / "iter000002" / "manifest.json").is_file()  # a checkpoint folder
 
 
 RECIPES = ["sd35m_flow_grpo", "sd35m_flow_grpo_pickscore", "sd35m_stepwise", "sd35m_stepwise_ocr", "sd35m_vgpo",
