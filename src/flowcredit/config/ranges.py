@@ -9,8 +9,6 @@ from typing import Any
 from .annotations import _init_fields
 from .keys import ConfigError, _item, _join
 
-RANGE_KEYS = ("ge", "gt", "le", "lt")  # metadata keys of numeric bounds: >=, >, <=, <
-
 
 def _number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
