@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..config.schema import ModelCfg
-from ..types import FlowModel
+
+if TYPE_CHECKING:  # the concrete families (each an nn.Module with `.net`, implementing types.FlowModel)
+    from .flux import FluxFlowModel
+    from .sd3 import SD3FlowModel
+    from .tiny import TinyFlowModel
+
+    PolicyModel = TinyFlowModel | SD3FlowModel | FluxFlowModel
 
 
-def build_model(cfg: ModelCfg, device: str = "cpu") -> FlowModel:
+def build_model(cfg: ModelCfg, device: str = "cpu") -> PolicyModel:
     """Return a FlowModel for `cfg` on `device`.
 
     tiny: the built-in model. sd3 / flux: the diffusers adapters. LoRA (peft) is added at build time when
