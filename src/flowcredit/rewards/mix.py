@@ -134,6 +134,13 @@ class MixedReward(Reward):
         self._running = [_Running() for _ in self.parts]
         self._pool: ThreadPoolExecutor | None = None
 
+    def check_prompts(self, metadata: Sequence[dict[str, Any]], source: str) -> None:
+        """Each component's own prompt check (e.g. `shapes` needs GenEval metadata), before training."""
+        for fn, _ in self.parts:
+            check = getattr(fn, "check_prompts", None)
+            if callable(check):
+                check(metadata, source)
+
     def describe(self) -> str:
         terms = " + ".join(f"{w:g}*{lab}" for (_, w), lab in zip(self.parts, self.labels))
         return terms + ("" if self.mode == "none" else f" (normalize={self.mode})")

@@ -32,6 +32,15 @@ class ShapesReward:
             raise ValueError(f"reward.options.score: unknown value '{score}'; use one of {', '.join(self.SCORES)}")
         self.score = score
 
+    def check_prompts(self, metadata: Sequence[dict[str, Any]], source: str) -> None:
+        """Before training: every prompt needs its GenEval record (ValueError naming the first line without one)."""
+        missing = [i for i, m in enumerate(metadata) if not m or "include" not in m]
+        if missing:
+            raise ValueError(
+                f"reward 'shapes' needs GenEval-schema .jsonl prompts, but line {missing[0] + 1} of {source} has no "
+                "metadata; use shapes:train or a .jsonl file"
+            )
+
     def __call__(
         self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], **meta: Any
     ) -> RewardOutput:

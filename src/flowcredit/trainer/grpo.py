@@ -29,9 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -46,14 +44,12 @@ from ..credit.base import CreditInput
 from ..credit.registry import assign_credit, needs_instant_rewards, needs_step_rewards
 from ..objectives import LossContext, build_objective
 from ..rewards.guards import group_diversity
-from ..samplers.estimates import denoise_estimate, trajectory_estimates
 from ..samplers.policy import nfe_per_sample
 from ..samplers.rollout import rollout
 from ..samplers.schedules import time_grid
 from ..samplers.sde import SamplerParams
-from ..types import Trajectory, cond_index, cond_repeat
+from ..types import Trajectory, cond_repeat
 from . import checkpoint
-from .checkpoint import rng_states, set_rng_states
 from .distributed import (
     Dist,
     ReferenceOffload,
@@ -65,13 +61,12 @@ from .distributed import (
     layout_noise,
     plan_update,
 )
+from .evaluation import RunEvaluation
 from .faults import NonFiniteGuard, RetryingCall, StopSignal, first_nonfinite, inject_point
 from .harness import EMAWeights, HackingGuard, PhaseTimer, TimeBudget
-from .loggers import build_loggers, scalars_of
-
-
-class TrainingError(RuntimeError):
-    """A run cannot start or continue; the message is one line saying what to fix."""
+from .intermediate import intermediate_rewards
+from .loggers import build_loggers, save_grid, write_metrics
+from .state import CheckpointMixin, TrainingError
 
 
 def sampler_params(cfg: TrainConfig) -> SamplerParams:
@@ -79,7 +74,7 @@ def sampler_params(cfg: TrainConfig) -> SamplerParams:
     return SamplerParams(name=s.name, noise_level=s.noise_level, reduce=s.reduce, ddim_sigma=s.ddim_sigma, ddim_coef=s.ddim_coef)
 
 
-class GRPOTrainer:
+class GRPOTrainer(CheckpointMixin):
     """Flow-GRPO-family trainer. `setup()` builds everything and validates inputs before anything is written;
     `train()` runs the loop; `save_checkpoint()` / `load_checkpoint()` persist every state."""
 
@@ -109,13 +104,12 @@ class GRPOTrainer:
             self.reward_fn = self._build_reward(build_reward)
         except ValueError as e:
             raise TrainingError(str(e)) from None
-        if cfg.reward.name in ("shapes",) or any(c.name == "shapes" for c in cfg.reward.components):
-            missing = [i for i, m in enumerate(self.train_prompts.metadata) if "include" not in m]
-            if missing:
-                raise TrainingError(
-                    f"data.train_prompts: reward 'shapes' needs GenEval-schema .jsonl prompts, but line {missing[0] + 1} of "
-                    f"{self.train_prompts.source} has no metadata; use shapes:train or a .jsonl file"
-                )
+        check = getattr(self.reward_fn, "check_prompts", None)  # a reward may require prompt metadata (shapes)
+        if callable(check):
+            try:
+                check(self.train_prompts.metadata, self.train_prompts.source)
+            except ValueError as e:
+                raise TrainingError(f"data.train_prompts: {e}") from None
         if cfg.run.eval_at_end or cfg.run.eval_every:
             try:
                 self.eval_prompts = load_prompts(cfg.run.eval_prompts)
@@ -176,6 +170,11 @@ class GRPOTrainer:
         # --- the run folder ---------------------------------------------------------------------------------
         out = cfg.run.out_dir or f"runs/{self.preset_name}-{time.strftime('%Y%m%d-%H%M%S')}"
         self.out = Path(self.dist.broadcast_object(out))  # rank 0 writes; every rank reads the checkpoint
+        self.evaluation = None
+        if cfg.run.eval_at_end or cfg.run.eval_every:
+            self.evaluation = RunEvaluation(cfg, self.model, self.reward_fn, self.eval_prompts, self.initial_state, self.dist,
+                                            self.out, self.ema_weights, self.trainable)
+        ckpt = self.latest_checkpoint()  # before anything is written: a run folder without an intact checkpoint stays as it is
         if self.dist.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "checkpoints").mkdir(exist_ok=True)
@@ -183,7 +182,6 @@ class GRPOTrainer:
             # the resolved config; a resumed run keeps its original config.yaml and records the new one beside it
             dump_yaml(cfg, self.out / ("config.yaml" if not (self.out / "config.yaml").exists() else "config.resumed.yaml"))
         self.dist.barrier()
-        ckpt = self.latest_checkpoint()
         if ckpt is not None:
             self.load_checkpoint(ckpt)
             if self.dist.is_main:
@@ -266,24 +264,9 @@ class GRPOTrainer:
         self.dist.close()
         return result
 
-    def _eval_kwargs(self) -> dict[str, Any]:
-        """Settings of every evaluation of a run (periodic and final): the reward, ODE steps, CFG scale, the fixed
-        noise seed (run.seed + 12345) and the time-grid shift."""
-        rc = self.cfg.run
-        return dict(reward=self.reward_fn, steps=rc.eval_steps, guidance=rc.eval_guidance, seed=rc.seed + 12345, shift=self.cfg.sampler.shift)
-
     def eval_forwards(self) -> int:
-        """Model forward-images the final evaluation costs: every eval prompt line × ODE steps × (2 with CFG), for
-        the trained model and, unless cached, the initial one."""
-        rc = self.cfg.run
-        if not (rc.eval_at_end and self.dist.evaluates):
-            return 0
-        per_model = len(self.eval_prompts) * rc.eval_steps * (2 if rc.eval_guidance != 1.0 else 1)
-        models = 1
-        if self.initial_state is not None:
-            cache = self._baseline_cache_file(self._eval_kwargs())
-            models += 0 if cache is not None and cache.is_file() else 1
-        return per_model * models
+        """Model forward-images the final evaluation will cost (`evaluation.RunEvaluation.forwards`)."""
+        return self.evaluation.forwards() if self.evaluation is not None else 0
 
     def over_budget(self, iter_seconds: list[float], fwd_rates: list[float]) -> bool:
         """run.budget_minutes with the given measurements (`harness.TimeBudget.over`)."""
@@ -338,24 +321,9 @@ class GRPOTrainer:
             stats[f"{k}_mean"] = float(self.dist.gather(v.float()).mean())
 
         # ---------------------------------------------------------------- INTERMEDIATE REWARDS (Stepwise / VGPO)
-        step_rewards = instant = None
-        if needs_step_rewards(cfg.credit):
-            with timer("estimates"):
-                est = trajectory_estimates(
-                    model, traj, cond, uncond, guidance, cfg.estimate.substeps, cfg.estimate.chunk_size, cfg.shared_noise
-                )
-            stats["nfe_estimates"] = est.nfe
-            with timer("estimate_rewards"):
-                step_rewards, calls = self._score_states(est.x0_hat[:, :-1], prompts, meta, gids, cfg.shared_noise)
-                step_rewards = torch.cat([step_rewards, traj.rewards[:, None]], dim=1)  # ρ_T = R(x0)
-            stats["reward_calls"] += calls
-            traj.step_rewards = step_rewards
-        if needs_instant_rewards(cfg.credit) and not (needs_step_rewards(cfg.credit) and cfg.estimate.substeps == cfg.estimate.instant_substeps):
-            # VGPO I_j = R(x̂0 of the post-action state x^(j+1)), one-step Tweedie by default (§5.2)
-            with timer("estimates"):
-                instant, n_inst = self._instant_rewards(traj, cond, uncond, guidance, prompts, meta)
-            stats["reward_calls"] += n_inst["calls"]
-            stats["nfe_estimates"] = stats.get("nfe_estimates", 0) + n_inst["nfe"]
+        step_rewards, instant, istats = intermediate_rewards(model, self._score, traj, cond, uncond, cfg, prompts, meta, gids, timer)
+        stats["reward_calls"] += istats.pop("reward_calls")
+        stats.update(istats)
 
         # ---------------------------------------------------------------- CREDIT (on the gathered global batch)
         with timer("credit"):
@@ -390,56 +358,9 @@ class GRPOTrainer:
         stats["_prompts"] = prompts
         return stats
 
-    # ---------------------------------------------------------------------------------------------------------
-    def _score_states(self, x0_hat, prompts, meta, gids, shared_initial):
-        """Rewards of decoded x̂0 estimates. x0_hat: (B, T, *latent) for states j = 0..T−1. Returns (B, T), calls."""
-        B, T = x0_hat.shape[:2]
-        flat = x0_hat.reshape(B * T, *x0_hat.shape[2:])
-        idx = torch.arange(B * T)
-        if shared_initial:  # state j = 0 is shared within a group: score it once per group
-            first = {}
-            for b in range(B):
-                first.setdefault(int(gids[b]), b)
-            keep = [b * T + j for b in range(B) for j in range(T) if j > 0 or first[int(gids[b])] == b]
-        else:
-            keep = idx.tolist()
-        p = [prompts[k // T] for k in keep]
-        m = [meta[k // T] for k in keep]
-        imgs = self.model.decode(flat[keep])
-        scores = torch.empty(B * T)
-        sc = self.call_reward(self.reward_fn, imgs, p, m).scores.float()
-        scores[keep] = sc
-        if shared_initial:
-            for b in range(B):
-                scores[b * T] = scores[first[int(gids[b])] * T]
-        return scores.view(B, T), len(keep)
-
-    def _instant_rewards(self, traj: Trajectory, cond, uncond, guidance, prompts, meta):
-        """VGPO instant rewards I_j (B, T) from x̂0 of the post-action states with `instant_substeps`."""
-        B, T = traj.batch_size, traj.num_steps
-        states = traj.latents[:, 1:T]  # x^(1) … x^(T−1); x^(T) is the sample (I_{T−1} = R(x0))
-        ts = traj.timesteps[1:T]
-        flat = states.reshape(B * (T - 1), *states.shape[2:])
-        tt = ts.repeat(B)
-        rows = torch.arange(B).repeat_interleave(T - 1)
-        v_first = traj.velocities[:, 1:T].reshape_as(flat) if traj.velocities is not None else None
-        x0 = []
-        cs = self.cfg.estimate.chunk_size
-        for s in range(0, flat.shape[0], cs):
-            sl = slice(s, s + cs)
-            r = rows[sl]
-            x0.append(
-                denoise_estimate(
-                    self.model, flat[sl], tt[sl], cond_index(cond, r), cond_index(uncond, r) if uncond is not None else None,
-                    guidance, self.cfg.estimate.instant_substeps, v_first=v_first[sl] if v_first is not None else None,
-                )
-            )
-        x0 = torch.cat(x0)
-        sc = self.call_reward(self.reward_fn, self.model.decode(x0), [prompts[int(r)] for r in rows], [meta[int(r)] for r in rows]).scores.float()
-        inst = torch.cat([sc.view(B, T - 1), traj.rewards[:, None]], dim=1)
-        k = self.cfg.estimate.instant_substeps
-        nfe = flat.shape[0] * (k - (1 if v_first is not None else 0)) * nfe_per_sample(uncond, guidance)
-        return inst, {"calls": flat.shape[0], "nfe": nfe}
+    def _score(self, images: torch.Tensor, prompts: list, meta: list) -> torch.Tensor:
+        """(n,) rewards of decoded images, retried per `faults` (the intermediate rewards' reward call)."""
+        return self.call_reward(self.reward_fn, images, prompts, meta).scores.float()
 
     def update(self, traj: Trajectory, adv: torch.Tensor, cond, uncond) -> dict[str, Any]:
         """Gradient steps on the objective's loss over (sample, step) pairs with gradient accumulation.
@@ -550,32 +471,13 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------- logging / io
     def log(self, stats: dict[str, Any]) -> None:
-        if self.metrics_f is None:  # not rank 0
-            return
-        inject_point("log", self.iteration)
-        rec = {"iteration": self.iteration}
-        for k, v in stats.items():
-            if k.startswith("_"):
-                continue
-            rec[k] = v
-        self.metrics_f.write(json.dumps(rec) + "\n")
-        self.metrics_f.flush()
-        if self.loggers:
-            scalars = scalars_of(rec)  # finite numbers + seconds/<phase>
-            for logger in self.loggers:
-                logger.log_scalars(self.iteration, scalars)
+        if self.metrics_f is not None:  # rank 0
+            inject_point("log", self.iteration)
+            write_metrics(self.metrics_f, self.loggers, self.iteration, stats)
 
     def save_grid(self, images: torch.Tensor, prompts: list[str]) -> None:
-        """`grids/iterNNNNN.png`: one row per prompt group (G samples), its prompt as the row's caption; the prompts
-        also go to `grids/iterNNNNN.txt`. images: (B, 3, H, W) in [0, 1], group-major like `prompts` (B,)."""
-        from ..eval.evaluate import caption_grid, save_png
-
-        if not self.dist.is_main:
-            return
-        G = self.cfg.data.group_size
-        u8 = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
-        save_png(caption_grid(u8, list(prompts), ncol=G, scale=3), self.out / "grids" / f"iter{self.iteration:05d}.png")
-        (self.out / "grids" / f"iter{self.iteration:05d}.txt").write_text("\n".join(prompts[::G]) + "\n")
+        if self.dist.is_main:
+            save_grid(images, prompts, self.cfg.data.group_size, self.out / "grids", self.iteration)
 
     @property
     def ema(self) -> list[torch.Tensor] | None:
@@ -587,157 +489,9 @@ class GRPOTrainer:
         self.ema_weights.shadow = tensors
 
     def periodic_eval(self) -> None:
-        from ..eval.evaluate import evaluate, tag_balanced_subset
-
-        if not self.dist.evaluates:  # rank 0; under FSDP every rank (the forwards are collectives), rank 0 writes
-            return
-        sub = tag_balanced_subset(self.eval_prompts, self.cfg.run.eval_subset)
-        self.model.eval()
-        t0 = time.time()
-        with self.ema_weights.swapped_in(self.trainable):
-            s = evaluate(self.model, sub, **self._eval_kwargs())
-        rec = {"iteration": self.iteration, "eval_reward": s["reward_mean"], "eval_strict": s.get("strict_overall"), "eval_seconds": time.time() - t0}
-        if self.dist.is_main:
-            with open(self.out / "eval_curve.jsonl", "a") as f:
-                f.write(json.dumps(rec) + "\n")
-        inject_point("eval", self.iteration)
-        scalars = {"eval/reward": s["reward_mean"]}
-        if s.get("strict_overall") is not None:
-            scalars["eval/strict_overall"] = s["strict_overall"]
-        for logger in self.loggers:
-            logger.log_scalars(self.iteration, scalars)
+        self.evaluation.reward_fn = self.reward_fn  # the reward may be replaced after setup (tests, plugins)
+        self.evaluation.periodic(self.iteration, self.loggers)
 
     def final_eval(self) -> dict[str, Any]:
-        """eval.json: the trained model (EMA weights if on) and, with run.eval_baseline, the initial model, on the
-        same prompts with the same noise, via the same code path as `flowcredit eval`."""
-        from ..eval.evaluate import evaluate
-
-        kw = self._eval_kwargs()
-        self.model.eval()
-        t0 = time.time()
-        main = self.dist.is_main  # under FSDP every rank evaluates (collective forwards); rank 0 writes
-        with self.ema_weights.swapped_in(self.trainable):
-            trained = evaluate(self.model, self.eval_prompts, out_dir=self.out / "eval" if main else None, write_samples=False, **kw)
-        result: dict[str, Any] = {"trained": trained, "eval_seconds": time.time() - t0}
-        if self.initial_state is not None:
-            cache = self._baseline_cache_file(kw)
-            if cache is not None and cache.is_file():
-                base = json.loads(cache.read_text())
-                result["base_cached"] = str(cache)
-            else:
-                current = {k: v.detach().clone() for k, v in self.model.net.state_dict().items()}
-                self.model.net.load_state_dict(self.initial_state)
-                base = evaluate(self.model, self.eval_prompts, out_dir=self.out / "eval_base" if main else None, write_samples=False, **kw)
-                self.model.net.load_state_dict(current)
-                if cache is not None and main:
-                    cache.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = cache.with_suffix(f".tmp{os.getpid()}")
-                    tmp.write_text(json.dumps(base))
-                    os.replace(tmp, cache)  # atomic: runs in parallel never read a half-written file
-            result["base"] = base
-            result["delta"] = {
-                "reward_mean": trained["reward_mean"] - base["reward_mean"],
-                **({"strict_overall": trained["strict_overall"] - base["strict_overall"],
-                    "correct_overall": trained["correct_overall"] - base["correct_overall"]} if "strict_overall" in base else {}),
-            }
-        if main:
-            (self.out / "eval.json").write_text(json.dumps(result, indent=2))
-        return result
-
-    def _baseline_cache_file(self, eval_kw: dict[str, Any]) -> Path | None:
-        """`<run.eval_baseline_cache>/<sha256>.json` for the initial model's final evaluation, or None (cache off,
-        or several processes, whose weights may be sharded). The key hashes everything the evaluation depends on:
-        the initial weights' bytes, the evaluation prompts and metadata, sampler settings, noise seed and reward."""
-        if not self.cfg.run.eval_baseline_cache or self.dist.world_size > 1:
-            return None
-        h = hashlib.sha256()
-        for k in sorted(self.initial_state):
-            t = self.initial_state[k].detach().cpu().contiguous()
-            h.update(k.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        settings = {k: v for k, v in eval_kw.items() if k != "reward"}
-        h.update(json.dumps({"prompts": self.eval_prompts.prompts, "metadata": self.eval_prompts.metadata, "eval": settings,
-                             "reward": dataclasses.asdict(self.cfg.reward), "model": dataclasses.asdict(self.cfg.model)},
-                            sort_keys=True, default=str).encode())
-        return Path(self.cfg.run.eval_baseline_cache) / f"{h.hexdigest()}.json"
-
-    # ------------------------------------------------------------------------------------------- checkpoints
-    def checkpoint_state(self) -> dict[str, Any]:
-        return {
-            "iteration": self.iteration,
-            # under FSDP gathered to full tensors on rank 0 (collectives), the layout of an unsharded run
-            "model": checkpoint.model_state(self.model.net),
-            "optimizer": checkpoint.optimizer_state(self.model.net, self.opt, self.trainable_names),
-            "ema": self._ema_state(),
-            "model_config": dataclasses.asdict(self.model.cfg),
-            "lora": getattr(self.model, "lora", None) if self.cfg.model.name == "tiny" else None,  # tiny: rebuild the adapter to load
-            "credit_state": self.credit_state,
-            "torch_rng": self.gen.get_state(),
-            "global_torch_rng": torch.get_rng_state(),
-            "rng_per_rank": self.dist.gather_object(rng_states()),  # every RNG of every rank (collective)
-            "prompt_sampler": self.prompt_sampler.state_dict(),
-            "faults": self.nonfinite.state_dict(),
-            "harness": self.harness_state(),  # time-budget measurements, hacking-guard gold/alarm history
-            "world_size": self.dist.world_size,
-        }
-
-    def harness_state(self) -> dict[str, Any]:
-        """state_dict of every stateful harness object (the EMA weights travel as tensors under "ema")."""
-        st: dict[str, Any] = {"budget": self.budget.state_dict()}
-        if self.guard_ is not None:
-            st["guard"] = self.guard_.state_dict()
-        return st
-
-    def load_harness_state(self, st: dict[str, Any]) -> None:
-        if "budget" in st:
-            self.budget.load_state_dict(st["budget"])
-        if self.guard_ is not None and "guard" in st:
-            self.guard_.load_state_dict(st["guard"])
-
-    def _ema_state(self) -> dict[str, torch.Tensor] | None:
-        """The EMA weights by parameter name; under FSDP (EMA sharded like the weights) gathered to rank 0."""
-        if self.ema is None:
-            return None
-        if not self.dist.fsdp:
-            return dict(zip(self.trainable_names, self.ema))
-        full = checkpoint.full_tensors(self.ema, keep=self.dist.is_main)
-        return dict(zip(self.trainable_names, full)) if full is not None else None
-
-    def save_checkpoint(self) -> Path:
-        """Rank 0 writes every state atomically as `checkpoints/iterNNNNNN/` (tensors.safetensors + state.json +
-        manifest.json with sha256, `checkpoint.save`); keeps the two newest."""
-        state = self.checkpoint_state()  # every rank takes part (RNG gather)
-        path = self.out / "checkpoints" / f"iter{self.iteration:06d}"
-        if self.dist.is_main:
-            checkpoint.save(state, path, iteration=self.iteration, keep=2, fault=lambda phase: inject_point(phase, self.iteration))
-        return path
-
-    def latest_checkpoint(self) -> Path | None:
-        """The newest checkpoint that verifies; a damaged one is skipped with a warning naming it and the one used.
-        None for a fresh run folder; TrainingError (one line) when checkpoints exist but none is intact."""
-        try:
-            return checkpoint.find_latest(self.out / "checkpoints", warn=self.dist.is_main)
-        except checkpoint.CheckpointError as e:
-            raise TrainingError(f"cannot resume {self.out}: {e}") from None
-
-    def load_checkpoint(self, path: Path) -> None:
-        """Restore every state from checkpoint folder `path` (verified; never unpickles)."""
-        try:
-            st = checkpoint.load(path)
-        except checkpoint.CheckpointError as e:
-            raise TrainingError(str(e)) from None
-        checkpoint.load_model_state(self.model.net, st["model"])  # FSDP: each rank keeps its shard
-        checkpoint.load_optimizer_state(self.model.net, self.opt, self.trainable_names, st["optimizer"])
-        if st["ema"] is not None and self.dist.fsdp:  # the EMA is sharded like the weights
-            self.ema = checkpoint.shard_like([st["ema"][n] for n in self.trainable_names], self.trainable)
-        else:
-            self.ema = [st["ema"][n].to(self.device) for n in self.trainable_names] if st["ema"] is not None else None
-        self.credit_state = st["credit_state"]
-        self.gen.set_state(st["torch_rng"])
-        torch.set_rng_state(st["global_torch_rng"])
-        if st.get("rng_per_rank"):
-            set_rng_states(st["rng_per_rank"][min(self.dist.rank, len(st["rng_per_rank"]) - 1)])
-        self.prompt_sampler.load_state_dict(st["prompt_sampler"])
-        self.nonfinite.load_state_dict(st.get("faults", {}))
-        self.load_harness_state(st.get("harness", {}))
-        self.iteration = st["iteration"]
+        self.evaluation.reward_fn = self.reward_fn
+        return self.evaluation.final()

@@ -18,11 +18,14 @@ W&B run. Only rank 0 builds loggers.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+import torch
 
 KNOWN = ("tensorboard", "wandb")
 DEFAULT = ("tensorboard",)
@@ -126,3 +129,24 @@ def build_loggers(
         else:
             out.append(WandbLogger(out_dir, config))
     return out
+
+
+def write_metrics(metrics_f, loggers: list, iteration: int, stats: dict[str, Any]) -> None:
+    """One metrics.jsonl line (every stat not starting with "_") and its scalars to every logger."""
+    rec = {"iteration": iteration, **{k: v for k, v in stats.items() if not k.startswith("_")}}
+    metrics_f.write(json.dumps(rec) + "\n")
+    metrics_f.flush()
+    if loggers:
+        scalars = scalars_of(rec)  # finite numbers + seconds/<phase>
+        for logger in loggers:
+            logger.log_scalars(iteration, scalars)
+
+
+def save_grid(images, prompts: list[str], group_size: int, grids_dir: Path, iteration: int) -> None:
+    """`grids/iterNNNNN.png`: one row per prompt group (G samples), its prompt as the row's caption; the prompts
+    also go to `grids/iterNNNNN.txt`. images: (B, 3, H, W) in [0, 1], group-major like `prompts` (B,)."""
+    from ..eval.evaluate import caption_grid, save_png
+
+    u8 = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    save_png(caption_grid(u8, list(prompts), ncol=group_size, scale=3), grids_dir / f"iter{iteration:05d}.png")
+    (grids_dir / f"iter{iteration:05d}.txt").write_text("\n".join(prompts[::group_size]) + "\n")
