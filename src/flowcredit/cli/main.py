@@ -28,6 +28,31 @@ def _fail(msg: str) -> int:
     return 2
 
 
+def _os_error(e: OSError) -> str:
+    """A file-system error in a few words: '[Errno 28] No space left on device: 'runs/x/metrics.jsonl''."""
+    what = f"[Errno {e.errno}] {e.strerror}" if e.errno is not None and e.strerror else f"{type(e).__name__}: {e}"
+    return what + (f": '{e.filename}'" if e.filename else "")
+
+
+def _device_problem(device: str) -> str | None:
+    """One line when `run.device` names a device this machine's torch cannot use, else None."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        return f"run.device={device!r} is not a torch device ({e}); use cpu or cuda[:N]"
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return (
+                f"run.device={device}, but torch {torch.__version__} sees no CUDA device here; use run.device=cpu "
+                "or a CUDA build of torch on a machine with a GPU"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            return f"run.device={device}, but this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
 def cmd_train(ns) -> int:
     from ..config import ConfigError, describe
     from ..config.schema import TrainConfig
@@ -37,19 +62,38 @@ def cmd_train(ns) -> int:
     if ns.help_config:
         print(describe(TrainConfig))
         return 0
+    cfg = None
     try:
         cfg, name = resolve_train_config(ns.args)
+        bad_device = _device_problem(cfg.run.device)
+        if bad_device:
+            return _fail(bad_device)
         trainer = GRPOTrainer(cfg, preset_name=name)
         trainer.setup()
     except (ConfigError, TrainingError, ValueError, FileNotFoundError, NotImplementedError) as e:
         return _fail(str(e))
+    except OSError as e:  # the run folder cannot be made: a file in the way, not writable, disk full
+        out = cfg.run.out_dir if cfg is not None and cfg.run.out_dir else "runs/<preset>-<time>"
+        return _fail(
+            f"{_os_error(e)} while setting up the run (run.out_dir={out}); give run.out_dir a folder you can write, "
+            "on a disk with free space"
+        )
     main_rank = trainer.dist.is_main
     if main_rank:
         print(f"run folder: {trainer.out}")
     try:
         result = trainer.train()
     except RunStopped as e:  # a fault the run cannot survive; the last checkpoint is intact
-        print(f"error: {e}", file=sys.stderr)
+        print(f"\nerror: {e}", file=sys.stderr)  # \n: never on the line of an unfinished progress bar
+        trainer.dist.close(barrier=False)
+        return 3
+    except OSError as e:  # disk full / folder gone or read-only mid-run: checkpoints are renamed into place when whole
+        print(
+            f"\nerror: {_os_error(e)} after iteration {trainer.iteration}; the last complete checkpoint is intact (a "
+            f"checkpoint counts only once fully written); free space or fix the folder, then continue with: "
+            f"flowcredit train resume={trainer.out}",
+            file=sys.stderr,
+        )
         trainer.dist.close(barrier=False)
         return 3
     if result.get("stopped"):
@@ -194,8 +238,9 @@ def cmd_pretrain(ns) -> int:
 
 
 def cmd_convert(ns) -> int:
-    """An old pickle checkpoint → the safetensors + JSON format, only with --trust (`checkpoint.convert_legacy`)."""
-    from ..trainer.checkpoint import CheckpointError, convert_legacy
+    """An old pickle checkpoint → the safetensors + JSON format, only with --trust (`trainer/convert.py`)."""
+    from ..trainer.checkpoint import CheckpointError
+    from ..trainer.convert import convert_legacy
 
     if not ns.trust:
         return _fail(
