@@ -26,6 +26,7 @@ from flowcredit.config import load_config
 from flowcredit.config.load import dump_yaml
 from flowcredit.config.schema import TrainConfig
 from flowcredit.trainer import checkpoint
+from flowcredit.trainer.state import rng_states
 
 PRESET_DIR = Path(checkpoint.__file__).resolve().parent.parent / "configs"
 
@@ -224,7 +225,7 @@ def test_flatten_round_trips_every_state_type(tmp_path):
     opt.step()
     base = torch.arange(10.0)
     state = {
-        "iteration": 7, "model": net.state_dict(), "optimizer": opt.state_dict(), "rng": checkpoint.rng_states(),
+        "iteration": 7, "model": net.state_dict(), "optimizer": opt.state_dict(), "rng": rng_states(),
         "gen": torch.Generator().manual_seed(3).get_state(), "pcg": np.random.default_rng(5).bit_generator.state,
         "floats": [float("nan"), float("inf"), -0.0, 1e-300], "bytes": b"\x00\xff", "none": None, "flag": True,
         "view": base[2:5], "same_storage": (base, base[:2]), "int_keys": {3: "a", (1, 2): "b"},

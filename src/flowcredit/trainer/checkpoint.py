@@ -9,7 +9,7 @@ A checkpoint is a folder ``checkpoints/iterNNNNNN/`` with three files:
 
 Neither format can execute code when read (safetensors is a JSON header + raw bytes; JSON is data), so a checkpoint
 from anywhere is safe to load. Old pickle checkpoints (``iterNNNNNN.pt``, ``state.pt``) are refused with a message;
-``flowcredit convert --trust OLD.pt`` rewrites a trusted one (``convert_legacy``: torch's restricted unpickler,
+``flowcredit convert --trust OLD.pt`` rewrites a trusted one (``trainer/convert.py``: torch's restricted unpickler,
 ``weights_only=True``, with only numpy's array reconstruction allowed, so even then no code in the file runs).
 
 The write order makes every crash point safe (the rename is the commit):
@@ -25,6 +25,7 @@ names it and the one used instead. If checkpoints exist but none is intact, it r
 restarts from scratch silently. An interrupted write (only a ``.tmp`` folder) never counted; it is reported and
 ignored.
 
+What goes INTO a checkpoint (RNG states, model/optimizer/EMA states gathered under FSDP) is `trainer/state.py`.
 Checkpoints do not depend on the layout. Under FSDP (``dist.fsdp``) the model, optimizer and EMA states are gathered
 to full tensors on rank 0 (``model_state``, ``optimizer_state``, ``full_tensors``), in the same layout as an unsharded
 run, and sharded again on load (``load_model_state``, ``load_optimizer_state``, ``shard_like``), so a checkpoint moves
@@ -42,9 +43,9 @@ import re
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -451,72 +452,6 @@ def load(path: Path, *, verify_checksums: bool = True) -> dict[str, Any]:
     return state
 
 
-def _legacy_globals() -> list:
-    """The only globals the old pickle checkpoints need beyond torch's own: numpy arrays (the numpy RNG state)."""
-    try:
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:  # numpy < 2
-        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
-    return [_reconstruct, np.ndarray, np.dtype, *{type(np.dtype(c)) for c in "?bBhHiIlLqQefdg"}]
-
-
-def default_converted_path(old: Path) -> Path:
-    """Where ``flowcredit convert`` writes by default: ``iterNNNNNN.pt`` → ``iterNNNNNN`` beside it."""
-    old = Path(old)
-    return old.with_suffix("")
-
-
-def convert_legacy(old: str | Path, new: str | Path | None = None) -> Path:
-    """Rewrite an old pickle checkpoint (``torch.save`` of a dict) as a checkpoint folder. The only pickle reader in
-    flowcredit; the CLI calls it only with ``--trust``. It still uses torch's restricted unpickler
-    (``weights_only=True``) with numpy's array reconstruction as the only extra global, so a file that needs anything
-    else (a payload) is refused, never run.
-
-    Args:
-        old: the ``.pt`` file (a trainer ``iterNNNNNN.pt`` or a pretraining ``state.pt``).
-        new: the checkpoint folder to write (default: ``iterNNNNNN.pt`` → ``iterNNNNNN``; ``state.pt`` →
-            ``checkpoints/stepNNNNNN`` beside it). Must not exist.
-
-    Returns:
-        The new checkpoint folder.
-    """
-    old = Path(old)
-    if not old.is_file():
-        raise FileNotFoundError(f"'{old}' not found")
-    try:
-        with torch.serialization.safe_globals(_legacy_globals()):
-            st = torch.load(old, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any failure of the restricted unpickler is one line
-        try:
-            allowed = {f"{g.__module__}.{g.__qualname__}" for g in _legacy_globals()}
-            extra = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(old) if g not in allowed]
-        except Exception:  # noqa: BLE001 - not even a torch zip file
-            extra = []
-        if extra:
-            raise CheckpointError(
-                f"'{old}' needs {', '.join(extra)} to load, which a flowcredit checkpoint never needs "
-                f"(it may carry a payload); not converted"
-            ) from None
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"'{old}' is not a readable torch checkpoint ({first}); not converted") from None
-    if not isinstance(st, dict):
-        raise CheckpointError(f"'{old}' holds a {type(st).__name__}, not a flowcredit checkpoint dict; not converted")
-    if new is None:
-        new = (
-            old.parent / "checkpoints" / f"step{int(st.get('step', 0)):06d}"
-            if old.name == "state.pt"
-            else default_converted_path(old)
-        )
-    new = Path(new)
-    if new.exists():
-        raise CheckpointError(f"'{new}' already exists; give a new folder as the second argument")
-    iteration = int(st.get("iteration", st.get("step", 0)) or 0)
-    try:
-        return save(st, new, iteration=iteration, keep=0)
-    except TypeError as e:
-        raise CheckpointError(f"'{old}': {e}; not converted") from None
-
-
 def truncate_jsonl(path: Path, iteration: int) -> int:
     """Keep the records of ``path`` with ``iteration`` <= the given one (a resumed run redoes the later ones, so no
     line is ever duplicated); a torn last line is dropped. Returns the number of lines removed."""
@@ -537,127 +472,3 @@ def truncate_jsonl(path: Path, iteration: int) -> int:
     if dropped:
         _write_atomic(path, "".join(x + "\n" for x in keep).encode())
     return dropped
-
-
-def rng_states() -> dict[str, Any]:
-    """Every global RNG of this process: torch (CPU and CUDA), numpy, python."""
-    import random
-
-    import numpy as np
-
-    st: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
-
-
-def set_rng_states(st: dict[str, Any]) -> None:
-    import random
-
-    import numpy as np
-
-    torch.set_rng_state(st["torch"])
-    np.random.set_state(st["numpy"])
-    random.setstate(st["python"])
-    if "cuda" in st and torch.cuda.is_available():
-        try:
-            torch.cuda.set_rng_state_all(st["cuda"])
-        except (RuntimeError, IndexError):  # a different GPU count: keep the fresh CUDA states
-            pass
-
-
-# ------------------------------------------------------------------------------------------ FSDP: full state dicts
-def _is_fsdp(module: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
-
-
-def _full_options():
-    # torch.distributed.checkpoint.state_dict: full_state_dict gathers DTensor shards to full tensors; with cpu_offload
-    # only rank 0 receives them (the others get {}), so no other rank holds a full copy in memory.
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-def model_state(net: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``net.state_dict()``; for an FSDP-sharded network the full state dict on rank 0 (CPU tensors, same keys) and
-    {} on the other ranks. Collective under FSDP: every rank calls it."""
-    if not _is_fsdp(net):
-        return net.state_dict()
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return cast(dict[str, torch.Tensor], get_model_state_dict(net, options=_full_options()))
-
-
-def load_model_state(net: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a full state dict (from any layout) into ``net``; an FSDP-sharded network keeps its rank's shard of each
-    tensor. Every rank passes the full dict (every rank reads the checkpoint)."""
-    if not _is_fsdp(net):
-        net.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    set_model_state_dict(net, cast(Any, state), options=StateDictOptions(full_state_dict=True))
-
-
-def optimizer_state(net: torch.nn.Module, opt, names: Sequence[str]) -> dict[str, Any]:
-    """``opt.state_dict()``; under FSDP the full optimizer state on rank 0 ({} elsewhere), converted from the
-    parameter-name keys of ``get_optimizer_state_dict`` to the plain layout (keys = indices into ``names``, the
-    optimizer's parameter order), so an FSDP checkpoint resumes unsharded and vice versa. Collective under FSDP."""
-    if not _is_fsdp(net):
-        return opt.state_dict()
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    osd: Any = get_optimizer_state_dict(net, opt, options=_full_options())
-    if not osd:
-        return {}
-    index = {n: i for i, n in enumerate(names)}
-    return {
-        "state": {index[k]: v for k, v in osd["state"].items()},
-        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]],
-    }
-
-
-def load_optimizer_state(net: torch.nn.Module, opt, names: Sequence[str], state: dict[str, Any]) -> None:
-    """Load a plain-layout optimizer state dict (from any layout); under FSDP each rank keeps its shard."""
-    if not _is_fsdp(net):
-        opt.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    osd: Any = {
-        "state": {names[int(i)]: v for i, v in state["state"].items()},
-        "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in state["param_groups"]],
-    }
-    set_optimizer_state_dict(net, opt, osd, options=StateDictOptions(full_state_dict=True))
-
-
-def full_tensors(tensors: Sequence[torch.Tensor], keep: bool) -> list[torch.Tensor] | None:
-    """Full CPU copies of ``tensors`` (e.g. the EMA weights): a DTensor shard is all-gathered (collective, one tensor
-    at a time, so a rank never holds more than one full tensor on the device). ``keep``: this rank keeps the copies
-    (rank 0); elsewhere returns None."""
-    from torch.distributed.tensor import DTensor
-
-    out = []
-    for t in tensors:
-        full = t.full_tensor() if isinstance(t, DTensor) else t
-        if keep:
-            out.append(full.detach().to("cpu", copy=True))
-    return out if keep else None
-
-
-def shard_like(tensors: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Full tensors (each the shape of the full parameter) placed like ``params``: a DTensor parameter gets this
-    rank's shard (sliced locally: every rank holds the full tensor, so ``src_data_rank=None`` skips communication),
-    a plain one the tensor on its device."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    out: list[torch.Tensor] = []
-    for t, p in zip(tensors, params):
-        if isinstance(p, DTensor):
-            out.append(distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements, src_data_rank=None))
-        else:
-            out.append(t.to(p.device))
-    return out

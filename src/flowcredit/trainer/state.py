@@ -9,13 +9,13 @@ objects' states (time-budget measurements, hacking-guard gold/alarm history). Th
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from . import checkpoint
-from .checkpoint import rng_states, set_rng_states
 from .faults import inject_point
 
 
@@ -30,8 +30,8 @@ class CheckpointMixin:
         return {
             "iteration": self.iteration,
             # under FSDP gathered to full tensors on rank 0 (collectives), the layout of an unsharded run
-            "model": checkpoint.model_state(self.model.net),
-            "optimizer": checkpoint.optimizer_state(self.model.net, self.opt, self.trainable_names),
+            "model": model_state(self.model.net),
+            "optimizer": optimizer_state(self.model.net, self.opt, self.trainable_names),
             "ema": self._ema_state(),
             "model_config": dataclasses.asdict(self.model.cfg),
             "lora": getattr(self.model, "lora", None) if self.cfg.model.name == "tiny" else None,  # tiny: rebuild the adapter to load
@@ -64,7 +64,7 @@ class CheckpointMixin:
             return None
         if not self.dist.fsdp:
             return dict(zip(self.trainable_names, self.ema))
-        full = checkpoint.full_tensors(self.ema, keep=self.dist.is_main)
+        full = full_tensors(self.ema, keep=self.dist.is_main)
         return dict(zip(self.trainable_names, full)) if full is not None else None
 
     def save_checkpoint(self) -> Path:
@@ -90,10 +90,10 @@ class CheckpointMixin:
             st = checkpoint.load(path)
         except checkpoint.CheckpointError as e:
             raise TrainingError(str(e)) from None
-        checkpoint.load_model_state(self.model.net, st["model"])  # FSDP: each rank keeps its shard
-        checkpoint.load_optimizer_state(self.model.net, self.opt, self.trainable_names, st["optimizer"])
+        load_model_state(self.model.net, st["model"])  # FSDP: each rank keeps its shard
+        load_optimizer_state(self.model.net, self.opt, self.trainable_names, st["optimizer"])
         if st["ema"] is not None and self.dist.fsdp:  # the EMA is sharded like the weights
-            self.ema = checkpoint.shard_like([st["ema"][n] for n in self.trainable_names], self.trainable)
+            self.ema = shard_like([st["ema"][n] for n in self.trainable_names], self.trainable)
         else:
             self.ema = [st["ema"][n].to(self.device) for n in self.trainable_names] if st["ema"] is not None else None
         self.credit_state = st["credit_state"]
@@ -105,3 +105,132 @@ class CheckpointMixin:
         self.nonfinite.load_state_dict(st.get("faults", {}))
         self.load_harness_state(st.get("harness", {}))
         self.iteration = st["iteration"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The pieces of the state: every RNG, and model / optimizer / EMA states in the unsharded layout (FSDP gathered)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def rng_states() -> dict[str, Any]:
+    """Every global RNG of this process: torch (CPU and CUDA), numpy, python."""
+    import random
+
+    import numpy as np
+
+    st: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_states(st: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(st["torch"])
+    np.random.set_state(st["numpy"])
+    random.setstate(st["python"])
+    if "cuda" in st and torch.cuda.is_available():
+        try:
+            torch.cuda.set_rng_state_all(st["cuda"])
+        except (RuntimeError, IndexError):  # a different GPU count: keep the fresh CUDA states
+            pass
+
+
+# ------------------------------------------------------------------------------------------ FSDP: full state dicts
+def _is_fsdp(module: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def _full_options():
+    # torch.distributed.checkpoint.state_dict: full_state_dict gathers DTensor shards to full tensors; with cpu_offload
+    # only rank 0 receives them (the others get {}), so no other rank holds a full copy in memory.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def model_state(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``net.state_dict()``; for an FSDP-sharded network the full state dict on rank 0 (CPU tensors, same keys) and
+    {} on the other ranks. Collective under FSDP: every rank calls it."""
+    if not _is_fsdp(net):
+        return net.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return cast(dict[str, torch.Tensor], get_model_state_dict(net, options=_full_options()))
+
+
+def load_model_state(net: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a full state dict (from any layout) into ``net``; an FSDP-sharded network keeps its rank's shard of each
+    tensor. Every rank passes the full dict (every rank reads the checkpoint)."""
+    if not _is_fsdp(net):
+        net.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(net, cast(Any, state), options=StateDictOptions(full_state_dict=True))
+
+
+def optimizer_state(net: torch.nn.Module, opt, names: Sequence[str]) -> dict[str, Any]:
+    """``opt.state_dict()``; under FSDP the full optimizer state on rank 0 ({} elsewhere), converted from the
+    parameter-name keys of ``get_optimizer_state_dict`` to the plain layout (keys = indices into ``names``, the
+    optimizer's parameter order), so an FSDP checkpoint resumes unsharded and vice versa. Collective under FSDP."""
+    if not _is_fsdp(net):
+        return opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    osd: Any = get_optimizer_state_dict(net, opt, options=_full_options())
+    if not osd:
+        return {}
+    index = {n: i for i, n in enumerate(names)}
+    return {
+        "state": {index[k]: v for k, v in osd["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]],
+    }
+
+
+def load_optimizer_state(net: torch.nn.Module, opt, names: Sequence[str], state: dict[str, Any]) -> None:
+    """Load a plain-layout optimizer state dict (from any layout); under FSDP each rank keeps its shard."""
+    if not _is_fsdp(net):
+        opt.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    osd: Any = {
+        "state": {names[int(i)]: v for i, v in state["state"].items()},
+        "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in state["param_groups"]],
+    }
+    set_optimizer_state_dict(net, opt, osd, options=StateDictOptions(full_state_dict=True))
+
+
+def full_tensors(tensors: Sequence[torch.Tensor], keep: bool) -> list[torch.Tensor] | None:
+    """Full CPU copies of ``tensors`` (e.g. the EMA weights): a DTensor shard is all-gathered (collective, one tensor
+    at a time, so a rank never holds more than one full tensor on the device). ``keep``: this rank keeps the copies
+    (rank 0); elsewhere returns None."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for t in tensors:
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if keep:
+            out.append(full.detach().to("cpu", copy=True))
+    return out if keep else None
+
+
+def shard_like(tensors: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Full tensors (each the shape of the full parameter) placed like ``params``: a DTensor parameter gets this
+    rank's shard (sliced locally: every rank holds the full tensor, so ``src_data_rank=None`` skips communication),
+    a plain one the tensor on its device."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    out: list[torch.Tensor] = []
+    for t, p in zip(tensors, params):
+        if isinstance(p, DTensor):
+            out.append(distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements, src_data_rank=None))
+        else:
+            out.append(t.to(p.device))
+    return out
