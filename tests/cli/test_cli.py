@@ -168,7 +168,7 @@ def test_train_subprocess_end_to_end(tmp_path, model_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("run folder: "))
     run = tmp_path / line.removeprefix("run folder: ").strip()
-    assert run.parent == tmp_path / "runs" and run.name.startswith("tiny_flow_grpo-")
+    assert run.parent == tmp_path / "runs" and run.name.startswith("tiny_nft-")
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
     assert (run / "config.yaml").exists() and (run / "eval.json").exists()
     assert list((run / "checkpoints").glob("iter000001"))

@@ -60,7 +60,12 @@ def cmd_train(ns) -> int:
     from ..trainer.grpo import GRPOTrainer, TrainingError
 
     if ns.help_config:
+        from ..credit.registry import names as credit_names
+        from ..objectives.base import describe_objectives
+
         print(describe(TrainConfig))
+        print(f"\ncredit.name choices (flowcredit.credit.registry): {', '.join(credit_names())}, or 'package.module:function'")
+        print(describe_objectives())
         return 0
     cfg = None
     try:

@@ -15,7 +15,7 @@ from .load import load_config
 from .schema import TrainConfig
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
-DEFAULT_PRESET = "tiny_flow_grpo"
+DEFAULT_PRESET = "tiny_nft"  # the embedded default job: DiffusionNFT on the shipped tiny model (README)
 
 
 def resolve_train_config(args: list[str]) -> tuple[TrainConfig, str]:

@@ -142,7 +142,8 @@ def objective_spec(name: str) -> ObjectiveSpec:
     if name not in OBJECTIVES:
         close = difflib.get_close_matches(name, list(OBJECTIVES), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"objective.name={name!r} is not a registered objective ({', '.join(sorted(OBJECTIVES))}){hint}")
+        known = ", ".join(sorted(OBJECTIVES))
+        raise ValueError(f"objective.name={name!r} is not a registered objective ({known}){hint}")
     return OBJECTIVES[name]
 
 
@@ -170,3 +171,21 @@ def objective_options(name: str, options: dict[str, Any]):
 def build_objective(name: str, options: dict[str, Any], train_cfg: Any = None) -> Objective:
     """The objective `name` built from its (checked) options and the run's TrainConfig."""
     return objective_spec(name).build(objective_options(name, options), train_cfg)
+
+
+def describe_objectives() -> str:
+    """`flowcredit train --help-config`: every registered objective and its options (type, default, range, help)."""
+    objective_spec("grpo")  # registers the built-in objectives
+    lines = ["objective.name choices (flowcredit.objectives registry) and their objective.options:"]
+    for name, spec in OBJECTIVES.items():
+        lines.append(f"  {name}: {spec.help}")
+        for f in dataclasses.fields(spec.options):
+            md = f.metadata
+            rng = ", ".join(f"{w} {md[k]}" for k, w in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if k in md)
+            choices = f", one of {', '.join(md['choices'])}" if "choices" in md else ""
+            ftype = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            extra = f", range {rng}" if rng else ""
+            lines.append(f"    objective.options.{f.name}: {ftype} = {f.default!r}{extra}{choices}")
+            if md.get("help"):
+                lines.append(f"        {md['help']}")
+    return "\n".join(lines)
