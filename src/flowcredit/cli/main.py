@@ -64,7 +64,8 @@ def cmd_train(ns) -> int:
         from ..objectives.base import describe_objectives
 
         print(describe(TrainConfig))
-        print(f"\ncredit.name choices (flowcredit.credit.registry): {', '.join(credit_names())}, or 'package.module:function'")
+        choices = ", ".join(credit_names())
+        print(f"\ncredit.name choices (flowcredit.credit.registry): {choices}, or 'package.module:function'")
         print(describe_objectives())
         return 0
     cfg = None

@@ -29,11 +29,18 @@ from .grpo import clipped_surrogate
 @dataclass
 class AWMOptions:
     weighting: Literal["uniform", "t", "t2"] = field(
-        default="uniform", metadata={"help": "w(t) of the matching log-likelihood: 1, t or t².", "choices": ("uniform", "t", "t2")}
+        default="uniform",
+        metadata={"help": "w(t) of the matching log-likelihood: 1, t or t².", "choices": ("uniform", "t", "t2")},
     )
-    clip_range: float = field(default=1e-4, metadata={"help": "PPO ratio clip ε_c of the matching log-likelihood ratio.", "gt": 0})
+    clip_range: float = field(
+        default=1e-4, metadata={"help": "PPO ratio clip ε_c of the matching log-likelihood ratio.", "gt": 0}
+    )
     noise: NoiseMode = field(
-        default="fresh", metadata={"help": "fresh ε per pair, or the rollout's own state x^(j) as x_t.", "choices": ("fresh", "rollout")}
+        default="fresh",
+        metadata={
+            "help": "fresh ε per pair, or the rollout's own state x^(j) as x_t.",
+            "choices": ("fresh", "rollout"),
+        },
     )
 
 
@@ -48,9 +55,9 @@ def matching_log_prob(v: Tensor, target: Tensor, t: Tensor, weighting: str) -> T
 
 
 class AWMObjective:
-    needs_log_probs = False
-    sum_keys = ("kl", "clipfrac", "approx_kl", "ratio_mean", "fm_mse")
-    max_keys = ()
+    needs_log_probs: bool = False
+    sum_keys: tuple[str, ...] = ("kl", "clipfrac", "approx_kl", "ratio_mean", "fm_mse")
+    max_keys: tuple[str, ...] = ()
 
     def __init__(self, options: AWMOptions):
         self.options = options

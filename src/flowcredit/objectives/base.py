@@ -181,7 +181,8 @@ def describe_objectives() -> str:
         lines.append(f"  {name}: {spec.help}")
         for f in dataclasses.fields(spec.options):
             md = f.metadata
-            rng = ", ".join(f"{w} {md[k]}" for k, w in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if k in md)
+            bounds = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+            rng = ", ".join(f"{w} {md[k]}" for k, w in bounds if k in md)
             choices = f", one of {', '.join(md['choices'])}" if "choices" in md else ""
             ftype = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
             extra = f", range {rng}" if rng else ""

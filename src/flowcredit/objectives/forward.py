@@ -33,7 +33,8 @@ NoiseMode = Literal["fresh", "rollout"]
 
 def noise_generator(seed: int, iteration: int) -> torch.Generator:
     """CPU generator of the forward-process noise of one iteration (the same on every rank and every resume)."""
-    s = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, STREAM_FORWARD_NOISE, int(iteration)]).generate_state(2, np.uint32)
+    seq = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, STREAM_FORWARD_NOISE, int(iteration)])
+    s = seq.generate_state(2, np.uint32)
     return torch.Generator(device="cpu").manual_seed(int(s[0]) << 31 ^ int(s[1]))
 
 
@@ -86,6 +87,7 @@ class ForwardProcess:
         t = traj.timesteps[ji].to(x0.dtype)
         tb = t.view(-1, *([1] * (x0.dim() - 1)))
         if self.noise == "fresh":
+            assert self.eps is not None, "ForwardProcess.prepare() draws the noise before any loss"
             eps = self.eps[bi, ji]
             x_t = (1 - tb) * x0 + tb * eps
         else:

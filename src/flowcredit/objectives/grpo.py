@@ -74,9 +74,9 @@ class GRPOOptions:
 
 
 class GRPOObjective:
-    needs_log_probs = True
-    sum_keys = ("kl", "clipfrac", "approx_kl", "ratio_mean")
-    max_keys = ("parity_max_abs_dlogp",)
+    needs_log_probs: bool = True
+    sum_keys: tuple[str, ...] = ("kl", "clipfrac", "approx_kl", "ratio_mean")
+    max_keys: tuple[str, ...] = ("parity_max_abs_dlogp",)
 
     def __init__(self, options: GRPOOptions, clip_range: float = 1e-4):
         self.options = options

@@ -1,4 +1,6 @@
-"""`nft`: DiffusionNFT's negative-aware fine-tuning on the forward process (Zheng et al. 2025, §3–4; ALGORITHMS.md §9.2).
+"""`nft`: DiffusionNFT's negative-aware fine-tuning on the forward process.
+
+Zheng et al. 2025, §3–4; ALGORITHMS.md §9.2.
 
 For a pair (b, j) with x_t, t, x0 from `forward.ForwardProcess` and the advantage A = A[b, j]:
 
@@ -32,11 +34,21 @@ from .forward import ForwardProcess, NoiseMode
 
 @dataclass
 class NFTOptions:
-    beta: float = field(default=1.0, metadata={"help": "β of the implicit policies v± (DiffusionNFT GenEval: 1.0; OCR 0.1).", "gt": 0})
-    adv_clip_max: float = field(default=5.0, metadata={"help": "m: advantages are clipped to ±m and mapped to r ∈ [0, 1].", "gt": 0})
-    adaptive_weight: bool = field(default=True, metadata={"help": "Divide each x̂0 error by its detached mean |error| (DiffusionNFT)."})
+    beta: float = field(
+        default=1.0, metadata={"help": "β of the implicit policies v± (DiffusionNFT GenEval: 1.0; OCR 0.1).", "gt": 0}
+    )
+    adv_clip_max: float = field(
+        default=5.0, metadata={"help": "m: advantages are clipped to ±m and mapped to r ∈ [0, 1].", "gt": 0}
+    )
+    adaptive_weight: bool = field(
+        default=True, metadata={"help": "Divide each x̂0 error by its detached mean |error| (DiffusionNFT)."}
+    )
     noise: NoiseMode = field(
-        default="fresh", metadata={"help": "fresh ε per pair, or the rollout's own state x^(j) as x_t.", "choices": ("fresh", "rollout")}
+        default="fresh",
+        metadata={
+            "help": "fresh ε per pair, or the rollout's own state x^(j) as x_t.",
+            "choices": ("fresh", "rollout"),
+        },
     )
 
 
@@ -79,9 +91,9 @@ def nft_pair_loss(
 
 
 class NFTObjective:
-    needs_log_probs = False
-    sum_keys = ("kl", "nft_r", "fm_mse", "old_deviate")
-    max_keys = ()
+    needs_log_probs: bool = False
+    sum_keys: tuple[str, ...] = ("kl", "nft_r", "fm_mse", "old_deviate")
+    max_keys: tuple[str, ...] = ()
 
     def __init__(self, options: NFTOptions):
         self.options = options
@@ -115,5 +127,6 @@ class NFTObjective:
 
 register_objective(
     "nft", lambda o, cfg: NFTObjective(o), NFTOptions,
-    "DiffusionNFT: implicit positive/negative velocities on the forward process of the model's samples (ODE rollouts).",
+    "DiffusionNFT: implicit positive/negative velocities on the forward process of the model's samples "
+    "(ODE rollouts).",
 )

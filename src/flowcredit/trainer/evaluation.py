@@ -24,8 +24,18 @@ from .faults import inject_point
 class RunEvaluation:
     """Periodic and final evaluation of one run. `initial_state` is the initial weights (None: no baseline)."""
 
-    def __init__(self, cfg, model, reward_fn, eval_prompts, initial_state: dict[str, torch.Tensor] | None, dist, out: Path,
-                 ema_weights, trainable):
+    def __init__(
+        self,
+        cfg,
+        model,
+        reward_fn,
+        eval_prompts,
+        initial_state: dict[str, torch.Tensor] | None,
+        dist,
+        out: Path,
+        ema_weights,
+        trainable,
+    ):
         self.cfg, self.model, self.reward_fn, self.prompts = cfg, model, reward_fn, eval_prompts
         self.initial_state, self.dist, self.out = initial_state, dist, out
         self.ema_weights, self.trainable = ema_weights, trainable
@@ -34,8 +44,13 @@ class RunEvaluation:
         """Settings of every evaluation of a run: the reward, ODE steps, CFG scale, the fixed noise seed
         (run.seed + 12345) and the time-grid shift."""
         rc = self.cfg.run
-        return {"reward": self.reward_fn, "steps": rc.eval_steps, "guidance": rc.eval_guidance, "seed": rc.seed + 12345,
-                "shift": self.cfg.sampler.shift}
+        return {
+            "reward": self.reward_fn,
+            "steps": rc.eval_steps,
+            "guidance": rc.eval_guidance,
+            "seed": rc.seed + 12345,
+            "shift": self.cfg.sampler.shift,
+        }
 
     def forwards(self) -> int:
         """Model forward-images the final evaluation costs: every eval prompt line × ODE steps × (2 with CFG), for
@@ -83,15 +98,23 @@ class RunEvaluation:
         t0 = time.time()
         main = self.dist.is_main  # under FSDP every rank evaluates (collective forwards); rank 0 writes
         with self.ema_weights.swapped_in(self.trainable):
-            trained = evaluate(self.model, self.prompts, out_dir=self.out / "eval" if main else None, write_samples=False, **kw)
+            trained = evaluate(
+                self.model, self.prompts, out_dir=self.out / "eval" if main else None, write_samples=False, **kw
+            )
         result: dict[str, Any] = {"trained": trained, "eval_seconds": time.time() - t0}
         if self.initial_state is not None:
             base = self._baseline(kw, main, result)
             result["base"] = base
             result["delta"] = {
                 "reward_mean": trained["reward_mean"] - base["reward_mean"],
-                **({"strict_overall": trained["strict_overall"] - base["strict_overall"],
-                    "correct_overall": trained["correct_overall"] - base["correct_overall"]} if "strict_overall" in base else {}),
+                **(
+                    {
+                        "strict_overall": trained["strict_overall"] - base["strict_overall"],
+                        "correct_overall": trained["correct_overall"] - base["correct_overall"],
+                    }
+                    if "strict_overall" in base
+                    else {}
+                ),
             }
         if main:
             (self.out / "eval.json").write_text(json.dumps(result, indent=2))
@@ -106,7 +129,9 @@ class RunEvaluation:
             return json.loads(cache.read_text())
         current = {k: v.detach().clone() for k, v in self.model.net.state_dict().items()}
         self.model.net.load_state_dict(self.initial_state)
-        base = evaluate(self.model, self.prompts, out_dir=self.out / "eval_base" if main else None, write_samples=False, **kw)
+        base = evaluate(
+            self.model, self.prompts, out_dir=self.out / "eval_base" if main else None, write_samples=False, **kw
+        )
         self.model.net.load_state_dict(current)
         if cache is not None and main:
             cache.parent.mkdir(parents=True, exist_ok=True)
@@ -127,7 +152,17 @@ class RunEvaluation:
             h.update(k.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
         settings = {k: v for k, v in eval_kw.items() if k != "reward"}
-        h.update(json.dumps({"prompts": self.prompts.prompts, "metadata": self.prompts.metadata, "eval": settings,
-                             "reward": dataclasses.asdict(self.cfg.reward), "model": dataclasses.asdict(self.cfg.model)},
-                            sort_keys=True, default=str).encode())
+        h.update(
+            json.dumps(
+                {
+                    "prompts": self.prompts.prompts,
+                    "metadata": self.prompts.metadata,
+                    "eval": settings,
+                    "reward": dataclasses.asdict(self.cfg.reward),
+                    "model": dataclasses.asdict(self.cfg.model),
+                },
+                sort_keys=True,
+                default=str,
+            ).encode()
+        )
         return Path(self.cfg.run.eval_baseline_cache) / f"{h.hexdigest()}.json"

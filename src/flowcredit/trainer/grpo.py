@@ -71,7 +71,9 @@ from .state import CheckpointMixin, TrainingError
 
 def sampler_params(cfg: TrainConfig) -> SamplerParams:
     s = cfg.sampler
-    return SamplerParams(name=s.name, noise_level=s.noise_level, reduce=s.reduce, ddim_sigma=s.ddim_sigma, ddim_coef=s.ddim_coef)
+    return SamplerParams(
+        name=s.name, noise_level=s.noise_level, reduce=s.reduce, ddim_sigma=s.ddim_sigma, ddim_coef=s.ddim_coef
+    )
 
 
 class GRPOTrainer(CheckpointMixin):
@@ -97,7 +99,9 @@ class GRPOTrainer(CheckpointMixin):
         except PromptFileError as e:
             raise TrainingError(f"data.train_prompts: {e}") from None
         try:
-            self.prompt_sampler = PromptSampler(self.train_prompts, cfg.run.seed, cfg.data.balance_tags, cfg.data.tag_weights)
+            self.prompt_sampler = PromptSampler(
+                self.train_prompts, cfg.run.seed, cfg.data.balance_tags, cfg.data.tag_weights
+            )
         except ValueError as e:
             raise TrainingError(str(e)) from None
         try:
@@ -120,7 +124,13 @@ class GRPOTrainer(CheckpointMixin):
             torch.set_num_threads(cfg.run.threads)
         self.dist = Dist.create(cfg.dist.enabled, cfg.run.device)  # accelerate when launched on N processes
         try:
-            self.shard = Shard.create(cfg.data.prompts_per_iter, cfg.data.group_size, self.dist.rank, self.dist.world_size, cfg.dist.split_groups)
+            self.shard = Shard.create(
+                cfg.data.prompts_per_iter,
+                cfg.data.group_size,
+                self.dist.rank,
+                self.dist.world_size,
+                cfg.dist.split_groups,
+            )
         except ValueError as e:
             raise TrainingError(str(e)) from None
         self.device = torch.device(self.dist.device)
@@ -147,7 +157,11 @@ class GRPOTrainer(CheckpointMixin):
         if cfg.run.eval_baseline and cfg.run.eval_at_end:
             self.initial_state = {k: v.detach().clone() for k, v in self.model.net.state_dict().items()}
         self.opt = build_optimizer(
-            self.trainable, cfg.optim.offload_optimizer, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
+            self.trainable,
+            cfg.optim.offload_optimizer,
+            lr=cfg.optim.lr,
+            betas=tuple(cfg.optim.betas),
+            weight_decay=cfg.optim.weight_decay,
             eps=cfg.optim.eps,
         )
         # the harness (trainer/harness.py): EMA of the weights, hacking guard, time budget; all saved in checkpoints
@@ -164,7 +178,9 @@ class GRPOTrainer(CheckpointMixin):
         self.credit_state: dict[str, torch.Tensor] = {}
         self.iteration = 0
         self.nonfinite = NonFiniteGuard(cfg.faults.max_nonfinite, self.dist.is_main)
-        self.call_reward = RetryingCall(cfg.faults.reward_retries, cfg.faults.reward_backoff, cfg.faults.reward_timeout)
+        self.call_reward = RetryingCall(
+            cfg.faults.reward_retries, cfg.faults.reward_backoff, cfg.faults.reward_timeout
+        )
         self.uncond1 = self.model.encode_prompts([""]) if cfg.sampler.guidance_scale != 1.0 else None
 
         # --- the run folder ---------------------------------------------------------------------------------
@@ -172,15 +188,27 @@ class GRPOTrainer(CheckpointMixin):
         self.out = Path(self.dist.broadcast_object(out))  # rank 0 writes; every rank reads the checkpoint
         self.evaluation = None
         if cfg.run.eval_at_end or cfg.run.eval_every:
-            self.evaluation = RunEvaluation(cfg, self.model, self.reward_fn, self.eval_prompts, self.initial_state, self.dist,
-                                            self.out, self.ema_weights, self.trainable)
-        ckpt = self.latest_checkpoint()  # before anything is written: a run folder without an intact checkpoint stays as it is
+            self.evaluation = RunEvaluation(
+                cfg,
+                self.model,
+                self.reward_fn,
+                self.eval_prompts,
+                self.initial_state,
+                self.dist,
+                self.out,
+                self.ema_weights,
+                self.trainable,
+            )
+        # before anything is written: a run folder without an intact checkpoint stays as it is
+        ckpt = self.latest_checkpoint()
         if self.dist.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "checkpoints").mkdir(exist_ok=True)
             (self.out / "grids").mkdir(exist_ok=True)
             # the resolved config; a resumed run keeps its original config.yaml and records the new one beside it
-            dump_yaml(cfg, self.out / ("config.yaml" if not (self.out / "config.yaml").exists() else "config.resumed.yaml"))
+            dump_yaml(
+                cfg, self.out / ("config.yaml" if not (self.out / "config.yaml").exists() else "config.resumed.yaml")
+            )
         self.dist.barrier()
         if ckpt is not None:
             self.load_checkpoint(ckpt)
@@ -188,7 +216,8 @@ class GRPOTrainer(CheckpointMixin):
                 print(f"resuming from {ckpt} (iteration {self.iteration})", file=sys.stderr, flush=True)
         self.metrics_f, self.loggers = None, []  # rank 0 only: metrics.jsonl + run.loggers (trainer/loggers.py)
         if self.dist.is_main:
-            for log_file in ("metrics.jsonl", "eval_curve.jsonl", "gold.jsonl"):  # a resumed run redoes later iterations
+            # a resumed run redoes later iterations
+            for log_file in ("metrics.jsonl", "eval_curve.jsonl", "gold.jsonl"):
                 checkpoint.truncate_jsonl(self.out / log_file, self.iteration if ckpt is not None else -1)
             self.metrics_f = open(self.out / "metrics.jsonl", "a")
             try:  # default [tensorboard] is best effort: metrics.jsonl is the record of truth
@@ -213,8 +242,13 @@ class GRPOTrainer(CheckpointMixin):
         try:
             from tqdm import tqdm
 
-            bar = tqdm(total=cfg.run.iterations, initial=self.iteration, desc=f"train[{cfg.method}]", dynamic_ncols=True,
-                       disable=not self.dist.is_main)
+            bar = tqdm(
+                total=cfg.run.iterations,
+                initial=self.iteration,
+                desc=f"train[{cfg.method}]",
+                dynamic_ncols=True,
+                disable=not self.dist.is_main,
+            )
         except ImportError:
             pass
         signals, stopped = StopSignal(cfg.faults.handle_signals), None  # SIGTERM/SIGINT: stop after the iteration
@@ -238,11 +272,14 @@ class GRPOTrainer(CheckpointMixin):
                 if cfg.run.eval_every and self.iteration % cfg.run.eval_every == 0:
                     self.periodic_eval()
                 self.guard(stats)
-                if (cfg.run.checkpoint_every and self.iteration % cfg.run.checkpoint_every == 0) or self.iteration == cfg.run.iterations:
+                ckpt_every = cfg.run.checkpoint_every
+                if (ckpt_every and self.iteration % ckpt_every == 0) or self.iteration == cfg.run.iterations:
                     self.save_checkpoint()
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", strict=f"{stats.get('strict_mean', float('nan')):.2f}")
+                    bar.set_postfix(
+                        reward=f"{stats['reward_mean']:.3f}", strict=f"{stats.get('strict_mean', float('nan')):.2f}"
+                    )
                 self.budget.record(time.time() - t_iter, stats["nfe_rollout"], stats["seconds"].get("rollout", 0.0))
                 if self.dist.any(signals.requested is not None):  # every rank stops at the same iteration
                     stopped = signals.requested or "signal"
@@ -293,12 +330,30 @@ class GRPOTrainer(CheckpointMixin):
             cond = model.encode_prompts(prompts)
             uncond = cond_repeat(self.uncond1, B) if self.uncond1 is not None else None
             # noise seeded per (seed, iteration, group): the same samples on 1 or N processes
-            init, noise = layout_noise(cfg.run.seed, self.iteration + 1, self.shard, model.latent_shape, len(self.timesteps) - 1, cfg.shared_noise)
+            init, noise = layout_noise(
+                cfg.run.seed,
+                self.iteration + 1,
+                self.shard,
+                model.latent_shape,
+                len(self.timesteps) - 1,
+                cfg.shared_noise,
+            )
             traj = rollout(
-                model, prompts, meta, gids, timesteps=self.timesteps, sampler=self.params, guidance_scale=guidance,
-                generator=None, init_noise=init, step_noise=noise,
+                model,
+                prompts,
+                meta,
+                gids,
+                timesteps=self.timesteps,
+                sampler=self.params,
+                guidance_scale=guidance,
+                generator=None,
+                init_noise=init,
+                step_noise=noise,
                 keep_velocities=needs_step_rewards(cfg.credit) or needs_instant_rewards(cfg.credit),
-                train_fraction=cfg.sampler.timestep_fraction, ode_untrained=cfg.sampler.ode_untrained, cond=cond, uncond=uncond,
+                train_fraction=cfg.sampler.timestep_fraction,
+                ode_untrained=cfg.sampler.ode_untrained,
+                cond=cond,
+                uncond=uncond,
             )
         T = traj.num_steps
         # grpo trains the stochastic steps inside timestep_fraction; forward-process objectives the first
@@ -311,17 +366,19 @@ class GRPOTrainer(CheckpointMixin):
             images = model.decode(traj.latents[:, -1])
             ro = self.call_reward(self.reward_fn, images, prompts, meta, group_ids=gids)  # retried per `faults`
             traj.rewards = ro.scores.float()
-        rewards = self.dist.gather(traj.rewards)  # (B_global,)
+        rewards = self._gathered(traj.rewards)  # (B_global,)
         stats["reward_calls"] = B
         stats["reward_mean"] = float(rewards.mean())
         stats["reward_std"] = float(rewards.std(unbiased=False))
         # hacking guard: within-group diversity (mean pairwise RMS pixel distance); collapse = mode collapse
         stats["diversity"] = float(group_diversity(images, gids).mean())
         for k, v in ro.components.items():
-            stats[f"{k}_mean"] = float(self.dist.gather(v.float()).mean())
+            stats[f"{k}_mean"] = float(self._gathered(v.float()).mean())
 
         # ---------------------------------------------------------------- INTERMEDIATE REWARDS (Stepwise / VGPO)
-        step_rewards, instant, istats = intermediate_rewards(model, self._score, traj, cond, uncond, cfg, prompts, meta, gids, timer)
+        step_rewards, instant, istats = intermediate_rewards(
+            model, self._score, traj, cond, uncond, cfg, prompts, meta, gids, timer
+        )
         stats["reward_calls"] += istats.pop("reward_calls")
         stats.update(istats)
 
@@ -331,8 +388,12 @@ class GRPOTrainer(CheckpointMixin):
             bad = first_nonfinite(rewards=rewards, step_rewards=step_rewards, instant_rewards=instant)
             if bad is None:
                 cin = CreditInput(
-                    rewards=rewards, group_ids=self.dist.gather(gids), step_mask=traj.step_mask, step_rewards=step_rewards,
-                    instant_rewards=instant, state=self.credit_state,
+                    rewards=rewards,
+                    group_ids=self._gathered(gids),
+                    step_mask=traj.step_mask,
+                    step_rewards=step_rewards,
+                    instant_rewards=instant,
+                    state=self.credit_state,
                 )
                 cout = assign_credit(cfg.credit, cin)
                 bad = first_nonfinite(advantages=cout.advantages)
@@ -347,7 +408,12 @@ class GRPOTrainer(CheckpointMixin):
             if bad is None:
                 ustats = self.update(traj, adv, cond, uncond)
             else:  # NaN/Inf: skip and count; stops the run after faults.max_nonfinite in a row
-                ustats = {"pairs_trained": 0, "skipped_update": 1, "_nfe": 0, **self.nonfinite.skip(bad, self.iteration + 1)}
+                ustats = {
+                    "pairs_trained": 0,
+                    "skipped_update": 1,
+                    "_nfe": 0,
+                    **self.nonfinite.skip(bad, self.iteration + 1),
+                }
         stats.update(ustats)
         stats["nfe_update"] = ustats.pop("_nfe")
         counts = [k for k in ("nfe_rollout", "reward_calls", "nfe_estimates", "nfe_update") if k in stats]
@@ -358,6 +424,12 @@ class GRPOTrainer(CheckpointMixin):
         stats["_prompts"] = prompts
         return stats
 
+    def _gathered(self, t: torch.Tensor) -> torch.Tensor:
+        """`Dist.gather` of a tensor that is present on every rank: (B_local, ...) → (B_global, ...)."""
+        out = self.dist.gather(t)
+        assert out is not None
+        return out
+
     def _score(self, images: torch.Tensor, prompts: list, meta: list) -> torch.Tensor:
         """(n,) rewards of decoded images, retried per `faults` (the intermediate rewards' reward call)."""
         return self.call_reward(self.reward_fn, images, prompts, meta).scores.float()
@@ -366,22 +438,29 @@ class GRPOTrainer(CheckpointMixin):
         """Gradient steps on the objective's loss over (sample, step) pairs with gradient accumulation.
 
         The loss of one optimizer step is Σ_pairs objective.loss(pair) / N_pairs, accumulated over micro-batches of
-        `optim.micro_batch` pairs, so micro-batch size never changes the gradient. The pairs and their order are planned
-        on the global batch (`distributed.plan_update`; zero-advantage pairs are skipped when the objective says their
-        gradient is exactly zero); each rank trains its rows with N_pairs the GLOBAL count and the gradients are summed
-        over ranks. The objective (grpo / nft / awm, `flowcredit.objectives`) says what the loss of a pair is.
+        `optim.micro_batch` pairs, so micro-batch size never changes the gradient. The pairs and their order are
+        planned on the global batch (`distributed.plan_update`; zero-advantage pairs are skipped when the objective
+        says their gradient is exactly zero); each rank trains its rows with N_pairs the GLOBAL count and the gradients
+        are summed over ranks. The objective (grpo / nft / awm, `flowcredit.objectives`) says what the loss of a pair
+        is.
         """
         cfg, model, obj = self.cfg, self.model, self.objective
         oc = cfg.optim
         on_policy = oc.inner_epochs == 1 and oc.updates_per_epoch == 1
         n_pairs, epochs = plan_update(
-            self.dist.gather(adv), traj.step_mask, self.shard, seed=cfg.run.seed, iteration=self.iteration + 1,
-            inner_epochs=oc.inner_epochs, updates_per_epoch=oc.updates_per_epoch,
-            steps_per_sample=cfg.sampler.train_steps_per_sample, skip_zero_adv=obj.skip_zero_advantage(on_policy, oc.kl_beta),
+            self._gathered(adv),
+            traj.step_mask,
+            self.shard,
+            seed=cfg.run.seed,
+            iteration=self.iteration + 1,
+            inner_epochs=oc.inner_epochs,
+            updates_per_epoch=oc.updates_per_epoch,
+            steps_per_sample=cfg.sampler.train_steps_per_sample,
+            skip_zero_adv=obj.skip_zero_advantage(on_policy, oc.kl_beta),
         )
         out: dict[str, Any] = {"pairs_trained": n_pairs, "_nfe": 0}
         if not n_pairs:
-            out.update(loss=0.0, grad_norm=0.0, skipped_update=1, **{k: 0.0 for k in obj.sum_keys + obj.max_keys})
+            out.update(loss=0.0, grad_norm=0.0, skipped_update=1, **dict.fromkeys(obj.sum_keys + obj.max_keys, 0.0))
             if "ratio_mean" in obj.sum_keys:
                 out["ratio_mean"] = 1.0
             return out
@@ -401,7 +480,8 @@ class GRPOTrainer(CheckpointMixin):
                 n_mb = self.dist.micro_batches(len(mine), oc.micro_batch)  # FSDP: the max over ranks
                 for s in range(0, n_mb * oc.micro_batch, oc.micro_batch):
                     mb = mine[s : s + oc.micro_batch]
-                    pad = not mb  # FSDP only: this rank is out of pairs; a zero-weight pass joins the others' collectives
+                    # FSDP only: this rank is out of pairs; a zero-weight pass joins the others' collectives
+                    pad = not mb
                     if pad:
                         mb = [(0, int(traj.step_mask.nonzero()[0]))]
                     bi = torch.tensor([p[0] for p in mb])
@@ -422,7 +502,8 @@ class GRPOTrainer(CheckpointMixin):
                         acc.setdefault(k, []).append(val)
                 nonfinite_loss = self.dist.sync_grads(self.trainable, nonfinite_loss)  # Σ over ranks
                 gn = clip_grad_norm(self.trainable, oc.grad_clip)  # the global norm, also of FSDP shards
-                if nonfinite_loss or not torch.isfinite(gn):  # skip and count; stops after faults.max_nonfinite in a row
+                # skip and count; stops after faults.max_nonfinite in a row
+                if nonfinite_loss or not torch.isfinite(gn):
                     self.opt.zero_grad(set_to_none=True)
                     out["skipped_update"] = out.get("skipped_update", 0) + 1
                     out.update(self.nonfinite.skip("loss" if nonfinite_loss else "gradients", self.iteration + 1))
@@ -452,7 +533,14 @@ class GRPOTrainer(CheckpointMixin):
         def sample(prompts, metadata):
             self.model.eval()
             with self.ema_weights.swapped_in(self.trainable):
-                return generate(self.model, prompts, steps=rc.eval_steps, guidance=rc.eval_guidance, seed=rc.seed + 999, shift=self.cfg.sampler.shift)
+                return generate(
+                    self.model,
+                    prompts,
+                    steps=rc.eval_steps,
+                    guidance=rc.eval_guidance,
+                    seed=rc.seed + 999,
+                    shift=self.cfg.sampler.shift,
+                )
 
         line = self.guard_.step(self.iteration, stats, sample)
         if line is None or not self.dist.is_main:  # FSDP: the other ranks only joined the sharded forwards
@@ -489,9 +577,11 @@ class GRPOTrainer(CheckpointMixin):
         self.ema_weights.shadow = tensors
 
     def periodic_eval(self) -> None:
+        assert self.evaluation is not None, "run.eval_every builds the evaluation in setup()"
         self.evaluation.reward_fn = self.reward_fn  # the reward may be replaced after setup (tests, plugins)
         self.evaluation.periodic(self.iteration, self.loggers)
 
     def final_eval(self) -> dict[str, Any]:
+        assert self.evaluation is not None, "run.eval_at_end builds the evaluation in setup()"
         self.evaluation.reward_fn = self.reward_fn
         return self.evaluation.final()

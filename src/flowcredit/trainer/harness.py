@@ -17,8 +17,9 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -138,13 +139,14 @@ class HackingGuard:
         self.gold, self.alarm = gold, alarm
 
     @classmethod
-    def from_config(cls, run_cfg: Any, build_reward: Callable[[str], Any]) -> "HackingGuard | None":
+    def from_config(cls, run_cfg: Any, build_reward: Callable[[str], Any]) -> HackingGuard | None:
         if not run_cfg.gold_reward:
             return None
         from ..rewards.guards import GoldMonitor, HackingAlarm
 
-        gold = GoldMonitor.from_prompts(build_reward(run_cfg.gold_reward), run_cfg.gold_prompts, every=run_cfg.gold_every,
-                                        limit=run_cfg.gold_limit)
+        gold = GoldMonitor.from_prompts(
+            build_reward(run_cfg.gold_reward), run_cfg.gold_prompts, every=run_cfg.gold_every, limit=run_cfg.gold_limit
+        )
         return cls(gold, HackingAlarm(window=run_cfg.alarm_window))
 
     def step(self, iteration: int, stats: dict[str, Any], sample_fn: Callable) -> dict[str, Any] | None:
@@ -155,8 +157,14 @@ class HackingGuard:
         rec = self.gold.run(iteration, sample_fn)
         self.alarm.update_gold(iteration, rec.mean)
         state = self.alarm.check()
-        return {"iteration": iteration, "gold": rec.mean, "train_reward": stats["reward_mean"], "diversity": stats["diversity"],
-                "alarm": state.fired, "message": state.message}
+        return {
+            "iteration": iteration,
+            "gold": rec.mean,
+            "train_reward": stats["reward_mean"],
+            "diversity": stats["diversity"],
+            "alarm": state.fired,
+            "message": state.message,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return {"gold": self.gold.state_dict(), "alarm": self.alarm.state_dict()}

@@ -10,7 +10,8 @@ and timeouts apply to every call.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -23,8 +24,12 @@ from ..types import Trajectory, cond_index
 Score = Callable[[Tensor, list, list], Tensor]
 
 
-def score_states(model, score: Score, x0_hat: Tensor, prompts: list, meta: list, gids: Tensor, shared_initial: bool) -> tuple[Tensor, int]:
-    """Rewards of decoded x̂0 estimates. x0_hat: (B, T, *latent) for states j = 0..T−1. Returns ((B, T), reward calls).
+def score_states(
+    model, score: Score, x0_hat: Tensor, prompts: list, meta: list, gids: Tensor, shared_initial: bool
+) -> tuple[Tensor, int]:
+    """Rewards of decoded x̂0 estimates. x0_hat: (B, T, *latent) for states j = 0..T−1.
+
+    Returns ((B, T), reward calls).
 
     With a shared x_T (`shared_initial`) state 0 is the same within a group and is scored once per group.
     """
@@ -64,13 +69,16 @@ def instant_rewards(model, score: Score, traj: Trajectory, cond, uncond, guidanc
         x0.append(denoise_estimate(model, flat[sl], tt[sl], cond_index(cond, r), u, guidance, substeps,
                                    v_first=v_first[sl] if v_first is not None else None))
     sc = score(model.decode(torch.cat(x0)), [prompts[int(r)] for r in rows], [meta[int(r)] for r in rows])
-    inst = torch.cat([sc.view(B, T - 1), traj.rewards[:, None]], dim=1)
+    rewards = traj.rewards
+    assert rewards is not None, "the rollout is scored before its intermediate rewards"
+    inst = torch.cat([sc.view(B, T - 1), rewards[:, None]], dim=1)
     nfe = flat.shape[0] * (substeps - (1 if v_first is not None else 0)) * nfe_per_sample(uncond, guidance)
     return inst, {"calls": flat.shape[0], "nfe": nfe}
 
 
-def intermediate_rewards(model, score: Score, traj: Trajectory, cond, uncond, cfg, prompts: list, meta: list, gids: Tensor,
-                         timer) -> tuple[Tensor | None, Tensor | None, dict[str, Any]]:
+def intermediate_rewards(
+    model, score: Score, traj: Trajectory, cond, uncond, cfg, prompts: list, meta: list, gids: Tensor, timer
+) -> tuple[Tensor | None, Tensor | None, dict[str, Any]]:
     """ρ (B, T+1) and/or I (B, T) as the credit method `cfg.credit` needs them (None otherwise) and their counts.
 
     I is left None when ρ was computed with the same number of substeps: the credit then uses ρ_{j+1}.
@@ -80,17 +88,23 @@ def intermediate_rewards(model, score: Score, traj: Trajectory, cond, uncond, cf
     step_rewards = instant = None
     if needs_step_rewards(cfg.credit):
         with timer("estimates"):
-            est = trajectory_estimates(model, traj, cond, uncond, guidance, est_cfg.substeps, est_cfg.chunk_size, cfg.shared_noise)
+            est = trajectory_estimates(
+                model, traj, cond, uncond, guidance, est_cfg.substeps, est_cfg.chunk_size, cfg.shared_noise
+            )
         stats["nfe_estimates"] = est.nfe
         with timer("estimate_rewards"):
             rho, calls = score_states(model, score, est.x0_hat[:, :-1], prompts, meta, gids, cfg.shared_noise)
-            step_rewards = torch.cat([rho, traj.rewards[:, None]], dim=1)  # ρ_T = R(x0)
+            rewards = traj.rewards
+            assert rewards is not None, "the rollout is scored before its intermediate rewards"
+            step_rewards = torch.cat([rho, rewards[:, None]], dim=1)  # ρ_T = R(x0)
         stats["reward_calls"] += calls
         traj.step_rewards = step_rewards
-    if needs_instant_rewards(cfg.credit) and not (step_rewards is not None and est_cfg.substeps == est_cfg.instant_substeps):
+    same_substeps = step_rewards is not None and est_cfg.substeps == est_cfg.instant_substeps
+    if needs_instant_rewards(cfg.credit) and not same_substeps:
         with timer("estimates"):
-            instant, n = instant_rewards(model, score, traj, cond, uncond, guidance, prompts, meta, est_cfg.instant_substeps,
-                                         est_cfg.chunk_size)
+            instant, n = instant_rewards(
+                model, score, traj, cond, uncond, guidance, prompts, meta, est_cfg.instant_substeps, est_cfg.chunk_size
+            )
         stats["reward_calls"] += n["calls"]
         stats["nfe_estimates"] = stats.get("nfe_estimates", 0) + n["nfe"]
     return step_rewards, instant, stats

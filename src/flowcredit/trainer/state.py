@@ -11,12 +11,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from . import checkpoint
 from .faults import inject_point
+
+if TYPE_CHECKING:
+    from ..config.schema import TrainConfig
+    from .data import PromptSampler
+    from .distributed import Dist
+    from .faults import NonFiniteGuard
+    from .harness import HackingGuard, TimeBudget
 
 
 class TrainingError(RuntimeError):
@@ -26,6 +33,24 @@ class TrainingError(RuntimeError):
 class CheckpointMixin:
     """Save/load of a GRPOTrainer's full state; expects the attributes set by `GRPOTrainer.setup()`."""
 
+    # The host's attributes this mixin reads and writes (annotations only: set by `GRPOTrainer.setup()`).
+    cfg: TrainConfig
+    iteration: int
+    model: Any  # the FlowModel being trained (an nn.Module with .net and .cfg)
+    opt: Any  # torch.optim.Optimizer (or the offloaded optimizer of trainer/distributed.py)
+    trainable: list[Any]  # the trained nn.Parameters (DTensor shards under FSDP)
+    trainable_names: list[str]
+    device: torch.device
+    dist: Dist
+    gen: torch.Generator
+    credit_state: dict[str, torch.Tensor]
+    prompt_sampler: PromptSampler
+    nonfinite: NonFiniteGuard
+    budget: TimeBudget
+    guard_: HackingGuard | None
+    out: Path
+    ema: list[torch.Tensor] | None  # the EMA weights in the order of `trainable` (a property of GRPOTrainer)
+
     def checkpoint_state(self) -> dict[str, Any]:
         return {
             "iteration": self.iteration,
@@ -34,7 +59,8 @@ class CheckpointMixin:
             "optimizer": optimizer_state(self.model.net, self.opt, self.trainable_names),
             "ema": self._ema_state(),
             "model_config": dataclasses.asdict(self.model.cfg),
-            "lora": getattr(self.model, "lora", None) if self.cfg.model.name == "tiny" else None,  # tiny: rebuild the adapter to load
+            # tiny: rebuild the adapter to load
+            "lora": getattr(self.model, "lora", None) if self.cfg.model.name == "tiny" else None,
             "credit_state": self.credit_state,
             "torch_rng": self.gen.get_state(),
             "global_torch_rng": torch.get_rng_state(),
@@ -73,7 +99,9 @@ class CheckpointMixin:
         state = self.checkpoint_state()  # every rank takes part (RNG gather)
         path = self.out / "checkpoints" / f"iter{self.iteration:06d}"
         if self.dist.is_main:
-            checkpoint.save(state, path, iteration=self.iteration, keep=2, fault=lambda phase: inject_point(phase, self.iteration))
+            checkpoint.save(
+                state, path, iteration=self.iteration, keep=2, fault=lambda phase: inject_point(phase, self.iteration)
+            )
         return path
 
     def latest_checkpoint(self) -> Path | None:
