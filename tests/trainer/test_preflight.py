@@ -98,3 +98,12 @@ def test_unknown_available_memory_skips(monkeypatch):
     cfg, model = _built(["tiny_flow_grpo"])
     monkeypatch.setattr(preflight, "available_bytes", lambda device: None)
     assert preflight.check_memory(cfg, model, "cpu") is None
+
+
+def test_kl_reference_copy_is_counted_unless_already_loaded():
+    cfg, model = _built(["tiny_flow_grpo", "optim.kl_beta=0.04"])
+    base, _ = resolve_train_config(["tiny_flow_grpo"])
+    weights = preflight.estimate_memory(base, model, "cpu").weights
+    with_ref = preflight.estimate_memory(cfg, model, "cpu").copies
+    assert with_ref - preflight.estimate_memory(base, model, "cpu").copies == pytest.approx(weights)
+    assert preflight.estimate_memory(cfg, model, "cpu", reference_loaded=True).copies < with_ref

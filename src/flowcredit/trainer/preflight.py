@@ -162,8 +162,11 @@ def probe_activations(model, guidance: float = 1.0) -> tuple[float, float]:
 # ---------------------------------------------------------------------------------------------------- estimate
 
 
-def estimate_memory(cfg, model, device: str | torch.device, world_size: int = 1) -> MemoryEstimate:
-    """The per-process memory of one iteration of `cfg` with `model` (built, trainable flags set) on `device`."""
+def estimate_memory(
+    cfg, model, device: str | torch.device, world_size: int = 1, reference_loaded: bool = False
+) -> MemoryEstimate:
+    """The per-process memory of one iteration of `cfg` with `model` (built, trainable flags set) on `device`.
+    `reference_loaded`: the KL reference copy exists already (it is then resident, not counted)."""
     from ..credit.registry import needs_instant_rewards, needs_step_rewards
 
     dev = torch.device(device)
@@ -182,7 +185,7 @@ def estimate_memory(cfg, model, device: str | torch.device, world_size: int = 1)
     if cfg.run.eval_baseline and cfg.run.eval_at_end:
         copies += weight_bytes
     ref_on_host = cfg.optim.offload_reference and dev.type != "cpu"
-    if cfg.optim.kl_beta > 0 and not hasattr(model, "reference") and not ref_on_host:
+    if cfg.optim.kl_beta > 0 and not hasattr(model, "reference") and not ref_on_host and not reference_loaded:
         copies += weight_bytes / shard
 
     B = math.ceil(cfg.data.prompts_per_iter * cfg.data.group_size / max(1, world_size))
@@ -205,16 +208,24 @@ def estimate_memory(cfg, model, device: str | torch.device, world_size: int = 1)
 
 
 def check_memory(
-    cfg, model, device: str | torch.device, world_size: int = 1, margin: float = DEFAULT_MARGIN
+    cfg,
+    model,
+    device: str | torch.device,
+    world_size: int = 1,
+    margin: float = DEFAULT_MARGIN,
+    reference_loaded: bool = False,
 ) -> MemoryEstimate | None:
     """Raise ValueError (one line: the estimate by part in GB, what is available, the fix) when one iteration of
-    `cfg` would not fit in the memory of `device`; return the estimate otherwise (None when skipped)."""
+    `cfg` would not fit in the memory of `device`; return the estimate otherwise (None when skipped).
+
+    Call it once the model is built and gradient checkpointing applied, before the optimizer is built and before
+    anything is written; `reference_loaded=True` when the KL reference copy already exists (it is resident)."""
     if os.environ.get(SKIP_ENV, "") not in ("", "0"):
         return None
     avail = available_bytes(device)
     if avail is None:
         return None
-    est = estimate_memory(cfg, model, device, world_size)
+    est = estimate_memory(cfg, model, device, world_size, reference_loaded)
     if est.needed * margin <= avail:
         return est
     dev = torch.device(device)
