@@ -168,16 +168,15 @@ def cmd_eval(ns) -> int:
 
 
 def cmd_sample(ns) -> int:
-    import torch
-
     from ..eval.evaluate import generate, make_grid, save_png
+    from ..types import to_uint8_hwc
 
     try:
         model = load_any_model(ns.checkpoint, ns.precision)
     except (FileNotFoundError, ValueError) as e:
         return _fail(str(e))
     imgs = generate(model, [ns.prompt] * ns.n, steps=ns.steps, guidance=ns.cfg, seed=ns.seed)
-    u8 = (imgs * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    u8 = to_uint8_hwc(imgs).numpy()
     save_png(make_grid(u8, ncol=min(8, ns.n)), ns.out, scale=4)
     print(f"wrote {ns.n} samples of '{ns.prompt}' to {ns.out}")
     return 0
@@ -230,7 +229,7 @@ def cmd_pretrain(ns) -> int:
     if ns.depth:
         model["depth"] = ns.depth
     cfg = PretrainConfig(**kw, model=model)
-    from ..trainer.checkpoint import CheckpointError
+    from ..checkpoints import CheckpointError
 
     try:
         validate(cfg)
@@ -245,7 +244,7 @@ def cmd_pretrain(ns) -> int:
 
 def cmd_convert(ns) -> int:
     """An old pickle checkpoint → the safetensors + JSON format, only with --trust (`trainer/convert.py`)."""
-    from ..trainer.checkpoint import CheckpointError
+    from ..checkpoints import CheckpointError
     from ..trainer.convert import convert_legacy
 
     if not ns.trust:

@@ -25,7 +25,7 @@ from PIL import Image
 
 from ..samplers.rollout import sample_ode
 from ..shapes.prompts import PromptSet
-from ..types import FlowModel
+from ..types import FlowModel, to_uint8_hwc
 
 
 def line_noise(seed: int, indices: Sequence[int], latent_shape: tuple[int, ...]) -> torch.Tensor:
@@ -254,7 +254,7 @@ def evaluate(
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        u8 = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        u8 = to_uint8_hwc(images).numpy()
         if write_samples:
             for i in range(n):
                 d = out / f"{i:05d}"

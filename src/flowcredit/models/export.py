@@ -128,8 +128,8 @@ def export_checkpoint(
         device: where to rebuild the model.
         transformer_only: see `export`.
     """
+    from .. import checkpoints as ckpt
     from ..config.schema import ModelCfg
-    from ..trainer import checkpoint as ckpt
     from .factory import build_model
 
     ck = ckpt.resolve(checkpoint)

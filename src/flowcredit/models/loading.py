@@ -29,7 +29,7 @@ def load_any_model(path: str | None, precision: str = "fp32") -> TinyFlowModel:
         ValueError: (one line naming the file) a pickle .pt, a damaged checkpoint, or a file that is not what it
             claims.
     """
-    from ..trainer import checkpoint
+    from .. import checkpoints as checkpoint
 
     if path is None:
         model = TinyFlowModel.load(None)

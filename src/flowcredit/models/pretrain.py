@@ -5,7 +5,7 @@ t ~ logit-normal(0, 1) followed by the SD3 shift (CALIBRATION.md: shift 3), prom
 Data: an endless stream of fresh layouts of the train-split prompts (tags sampled uniformly, so the 4
 single-object prompts are not drowned by the 640 color_attr ones), rendered on the fly (≈ 0.3 ms/image).
 The run is seeded and resumable: `checkpoints/stepNNNNNN/` (safetensors + JSON + sha256 manifest,
-`trainer/checkpoint.py`; the two newest are kept) holds weights, EMA, optimizer, step and every RNG; it is written
+`checkpoints.py`; the two newest are kept) holds weights, EMA, optimizer, step and every RNG; it is written
 atomically (temp folder + rename) every `checkpoint_every` steps and when `max_minutes` runs out. A folder holding an
 old pickle `state.pt` is refused (convert a trusted one: `flowcredit convert --trust state.pt`). The EMA weights are
 what we evaluate and ship.
@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import checkpoints as checkpoint
 from ..shapes.prompts import load_prompts
 from ..shapes.render import render_batch
 from ..shapes.vocab import TAGS
-from ..trainer import checkpoint
 from .precision import PRECISIONS, resolve_precision
 from .tiny import TinyDiTConfig, TinyFlowModel
 

@@ -2,7 +2,7 @@
 
 The only place that reads a pickle, and even here through torch's restricted unpickler (`weights_only=True`) with
 only numpy's array reconstruction allowed beyond torch's own types, so no code in the file runs; the result is a
-checkpoint folder in the format of `trainer/checkpoint.py` (safetensors + JSON + sha256 manifest).
+checkpoint folder in the format of `flowcredit/checkpoints.py` (safetensors + JSON + sha256 manifest).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import CheckpointError, save
+from ..checkpoints import CheckpointError, save
 
 
 def _legacy_globals() -> list:

@@ -20,8 +20,8 @@ log-probs are compared with the recomputed ones every iteration (`parity_max_abs
 ~1e-7; in bf16 the difference is numeric noise that must not be mistaken for off-policyness.
 
 Scale and faults (docs/SCALING.md): on N processes each rank runs its slice of the global batch and the credit sees
-the gathered batch (`distributed.py`); checkpoints are atomic and verified (`checkpoint.py`); NaN/Inf updates are
-skipped, failing rewards retried, SIGTERM checkpoints and exits (`faults.py`). Only rank 0 writes.
+the gathered batch (`distributed.py`); checkpoints are atomic and verified (`flowcredit/checkpoints.py`); NaN/Inf
+updates are skipped, failing rewards retried, SIGTERM checkpoints and exits (`faults.py`). Only rank 0 writes.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import checkpoints as checkpoint
 from ..config.load import dump_yaml
 from ..config.schema import TrainConfig
 from ..credit.base import CreditInput
@@ -49,7 +50,6 @@ from ..samplers.rollout import rollout
 from ..samplers.schedules import time_grid
 from ..samplers.sde import SamplerParams
 from ..types import Trajectory, cond_repeat
-from . import checkpoint
 from .distributed import (
     Dist,
     ReferenceOffload,

@@ -25,8 +25,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
-
 KNOWN = ("tensorboard", "wandb")
 DEFAULT = ("tensorboard",)
 
@@ -146,7 +144,8 @@ def save_grid(images, prompts: list[str], group_size: int, grids_dir: Path, iter
     """`grids/iterNNNNN.png`: one row per prompt group (G samples), its prompt as the row's caption; the prompts
     also go to `grids/iterNNNNN.txt`. images: (B, 3, H, W) in [0, 1], group-major like `prompts` (B,)."""
     from ..eval.evaluate import caption_grid, save_png
+    from ..types import to_uint8_hwc
 
-    u8 = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    u8 = to_uint8_hwc(images).numpy()
     save_png(caption_grid(u8, list(prompts), ncol=group_size, scale=3), grids_dir / f"iter{iteration:05d}.png")
     (grids_dir / f"iter{iteration:05d}.txt").write_text("\n".join(prompts[::group_size]) + "\n")

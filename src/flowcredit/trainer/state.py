@@ -3,7 +3,7 @@
 What is saved (`checkpoint_state`): iteration, model weights, optimizer, EMA weights, model config (and the tiny
 model's LoRA layout), credit state, every RNG of every rank, prompt-sampler position, fault counters and the harness
 objects' states (time-budget measurements, hacking-guard gold/alarm history). The file format is
-`trainer/checkpoint.py`: safetensors + JSON folders with a sha256 manifest, never pickle.
+`flowcredit/checkpoints.py`: safetensors + JSON folders with a sha256 manifest, never pickle.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from . import checkpoint
+from .. import checkpoints as checkpoint
 from .faults import inject_point
 
 if TYPE_CHECKING:
