@@ -92,7 +92,8 @@ def test_train_wrong_model_folder_one_line_error(tmp_path, monkeypatch, capsys, 
 @pytest.mark.parametrize("overrides", [["sampler.name=ode"], ["sampler.num_steps=1"]])
 def test_train_without_trainable_steps_is_rejected(tmp_path, monkeypatch, capsys, model_path, overrides):
     monkeypatch.chdir(tmp_path)
-    argv = ["train", f"model.path={model_path}", *TINY, "run.eval_at_end=false", f"run.out_dir={tmp_path / 'run'}", *overrides]
+    # Flow-GRPO (the SDE-log-prob objective) needs a stochastic trained step; the default nft objective accepts the ODE
+    argv = ["train", "method=flow_grpo", f"model.path={model_path}", *TINY, "run.eval_at_end=false", f"run.out_dir={tmp_path / 'run'}", *overrides]
     _expect_one_line_error(capsys, argv, "sampler.")
     assert not (tmp_path / "run").exists()
 
