@@ -65,7 +65,8 @@ from .evaluation import RunEvaluation
 from .faults import NonFiniteGuard, RetryingCall, StopSignal, first_nonfinite, inject_point
 from .harness import EMAWeights, HackingGuard, PhaseTimer, TimeBudget
 from .intermediate import intermediate_rewards
-from .loggers import build_loggers, save_grid, write_metrics
+from .loggers import build_loggers, check_logger_names, save_grid, write_metrics
+from .preflight import check_memory
 from .state import CheckpointMixin, TrainingError
 
 
@@ -146,6 +147,12 @@ class GRPOTrainer(CheckpointMixin):
         self.ref_offload = ReferenceOffload(self.ref_model, self.device, cfg.optim.offload_reference)
         if cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
+        try:  # a batch too large for memory fails here, before anything is written (trainer/preflight.py)
+            has_ref = self.ref_model is not None
+            check_memory(cfg, self.model, self.device, self.dist.world_size, reference_loaded=has_ref)
+            check_logger_names(cfg.run.loggers)
+        except ValueError as e:
+            raise TrainingError(str(e)) from None
         if cfg.dist.fsdp:  # shard the network (and the reference copy unless it is offloaded) over the processes
             try:
                 sharded = apply_fsdp(self.dist, self.model, None if self.ref_offload.enabled else self.ref_model,

@@ -96,6 +96,19 @@ class WandbLogger:
         self.run.finish()
 
 
+def check_logger_names(names: Sequence[str] | None) -> None:
+    """ValueError (one line) for an unknown name in ``run.loggers``; called before the run folder is written."""
+    unknown = [n for n in (names or []) if n not in KNOWN]
+    if unknown:
+        raise ValueError(f"run.loggers: unknown logger {unknown[0]!r}; choose from {', '.join(KNOWN)}")
+    if "wandb" in (names or []):
+        import importlib.util
+        import sys
+
+        if "wandb" not in sys.modules and importlib.util.find_spec("wandb") is None:
+            raise ValueError("run.loggers: 'wandb' is not installed; pip install wandb, or remove it from run.loggers")
+
+
 def build_loggers(
     names: Sequence[str] | None, out_dir: str | Path, config: Mapping[str, Any] | None = None
 ) -> list[Logger]:
