@@ -91,3 +91,18 @@ def test_every_shipped_study_resolves_to_valid_train_configs():
             cfg = load_config(TrainConfig, r.preset, [*study.overrides, *r.overrides, f"run.iterations={study.iterations}"],
                               preset_dirs=[PRESET_DIR])
             assert cfg.run.iterations == study.iterations, (name, r.name)
+
+
+def test_identity_treats_auto_precision_as_what_it_resolves_to():
+    # a finished run's config.yaml records 'bf16'/'fp32' where the study's resolved config still says 'auto'
+    from flowcredit.compare.study import _identity
+    from flowcredit.config.schema import TrainConfig
+    from flowcredit.models.precision import resolve_precision
+
+    auto, resolved = TrainConfig(), TrainConfig()
+    auto.model.precision = "auto"
+    resolved.model.precision = resolve_precision("auto", "cpu")
+    assert _identity(auto) == _identity(resolved)
+    other = TrainConfig()
+    other.model.precision = "fp32" if resolved.model.precision == "bf16" else "bf16"
+    assert _identity(auto) != _identity(other)

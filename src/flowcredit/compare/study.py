@@ -130,6 +130,10 @@ def _identity(cfg) -> dict:
     d = dataclasses.asdict(cfg)
     for k in _NOT_IDENTITY:
         d["run"].pop(k, None)
+    if d["model"].get("precision") == "auto":  # a finished run's config.yaml records what 'auto' resolved to here
+        from ..models.precision import resolve_precision
+
+        d["model"]["precision"] = resolve_precision("auto", d["run"].get("device", "cpu"))
     return d
 
 
