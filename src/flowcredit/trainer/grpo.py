@@ -252,7 +252,7 @@ class GRPOTrainer(CheckpointMixin):
             bar = tqdm(
                 total=cfg.run.iterations,
                 initial=self.iteration,
-                desc=f"train[{cfg.method}]",
+                desc=f"train[{cfg.method}/{cfg.objective.name}]",
                 dynamic_ncols=True,
                 disable=not self.dist.is_main,
             )
