@@ -308,12 +308,8 @@ def test_reward_service_down_slow_or_malformed_stops_in_one_line(tmp_path, capsy
 
 
 def test_batch_too_large_for_memory_fails_before_training(tmp_path, capsys, model_path, monkeypatch):
-    import inspect
+    from flowcredit.trainer import preflight
 
-    from flowcredit.trainer import grpo, preflight
-
-    if "check_memory" not in inspect.getsource(grpo.GRPOTrainer.setup):
-        pytest.skip("GRPOTrainer.setup does not call preflight.check_memory yet")
     monkeypatch.setattr(preflight, "available_bytes", lambda device: 1e6)
     one_error_line(capsys, _small(model_path, tmp_path), 2, "one iteration needs about", "GB", "is available",
                    "optim.micro_batch", "model.gradient_checkpointing=true")

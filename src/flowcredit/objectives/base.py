@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from ..config.ranges import check_ranges
 from ..types import Trajectory
 
 
@@ -158,14 +159,11 @@ def objective_options(name: str, options: dict[str, Any]):
             hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(fields)}"
             raise ValueError(f"objective.options.{k} is not an option of objective {name!r}{hint}")
         md = fields[k].metadata
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            for key, ok, word in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
-                                  ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")):
-                if key in md and not ok(v, md[key]):
-                    raise ValueError(f"objective.options.{k}={v} is out of range: must be {word} {md[key]}")
         if "choices" in md and v not in md["choices"]:
             raise ValueError(f"objective.options.{k}={v!r} must be one of {', '.join(map(repr, md['choices']))}")
-    return spec.options(**(options or {}))
+    opts = spec.options(**(options or {}))
+    check_ranges(opts, "objective.options")  # the config's own range check (ge/gt/le/lt field metadata)
+    return opts
 
 
 def build_objective(name: str, options: dict[str, Any], train_cfg: Any = None) -> Objective:

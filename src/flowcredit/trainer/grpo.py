@@ -70,6 +70,15 @@ from .preflight import check_memory
 from .state import CheckpointMixin, TrainingError
 
 
+@contextlib.contextmanager
+def _one_line(prefix: str = ""):
+    """Bad input found while building the run (a ValueError) becomes one TrainingError line, prefixed with the key."""
+    try:
+        yield
+    except ValueError as e:
+        raise TrainingError(f"{prefix}{e}") from None
+
+
 def sampler_params(cfg: TrainConfig) -> SamplerParams:
     s = cfg.sampler
     return SamplerParams(
@@ -91,49 +100,32 @@ class GRPOTrainer(CheckpointMixin):
         cfg = self.cfg
         from ..models.factory import build_model, set_trainable
         from ..rewards.registry import build_reward
-        from ..shapes.prompts import PromptFileError, load_prompts
+        from ..shapes.prompts import load_prompts
         from .data import PromptSampler
 
         # --- validate inputs first: nothing is written to the run folder on bad input -----------------------
-        try:
+        with _one_line("data.train_prompts: "):
             self.train_prompts = load_prompts(cfg.data.train_prompts)
-        except PromptFileError as e:
-            raise TrainingError(f"data.train_prompts: {e}") from None
-        try:
-            self.prompt_sampler = PromptSampler(
-                self.train_prompts, cfg.run.seed, cfg.data.balance_tags, cfg.data.tag_weights
-            )
-        except ValueError as e:
-            raise TrainingError(str(e)) from None
-        try:
+        with _one_line():
+            d = cfg.data
+            self.prompt_sampler = PromptSampler(self.train_prompts, cfg.run.seed, d.balance_tags, d.tag_weights)
             self.reward_fn = self._build_reward(build_reward)
-        except ValueError as e:
-            raise TrainingError(str(e)) from None
+            self.objective = build_objective(cfg.objective.name, cfg.objective.options, cfg)
         check = getattr(self.reward_fn, "check_prompts", None)  # a reward may require prompt metadata (shapes)
         if callable(check):
-            try:
+            with _one_line("data.train_prompts: "):
                 check(self.train_prompts.metadata, self.train_prompts.source)
-            except ValueError as e:
-                raise TrainingError(f"data.train_prompts: {e}") from None
         if cfg.run.eval_at_end or cfg.run.eval_every:
-            try:
+            with _one_line("run.eval_prompts: "):
                 self.eval_prompts = load_prompts(cfg.run.eval_prompts)
-            except PromptFileError as e:
-                raise TrainingError(f"run.eval_prompts: {e}") from None
 
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         self.dist = Dist.create(cfg.dist.enabled, cfg.run.device)  # accelerate when launched on N processes
-        try:
-            self.shard = Shard.create(
-                cfg.data.prompts_per_iter,
-                cfg.data.group_size,
-                self.dist.rank,
-                self.dist.world_size,
-                cfg.dist.split_groups,
-            )
-        except ValueError as e:
-            raise TrainingError(str(e)) from None
+        with _one_line():
+            dist = self.dist
+            self.shard = Shard.create(d.prompts_per_iter, d.group_size, dist.rank, dist.world_size,
+                                      cfg.dist.split_groups)
         self.device = torch.device(self.dist.device)
         self.model = build_model(cfg.model, str(self.device))
         self.trainable = set_trainable(self.model, cfg.model.trainable)
@@ -147,30 +139,21 @@ class GRPOTrainer(CheckpointMixin):
         self.ref_offload = ReferenceOffload(self.ref_model, self.device, cfg.optim.offload_reference)
         if cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
-        try:  # a batch too large for memory fails here, before anything is written (trainer/preflight.py)
+        with _one_line():  # a batch too large for memory fails here, before anything is written (trainer/preflight.py)
             has_ref = self.ref_model is not None
             check_memory(cfg, self.model, self.device, self.dist.world_size, reference_loaded=has_ref)
             check_logger_names(cfg.run.loggers)
-        except ValueError as e:
-            raise TrainingError(str(e)) from None
         if cfg.dist.fsdp:  # shard the network (and the reference copy unless it is offloaded) over the processes
-            try:
+            with _one_line():
                 sharded = apply_fsdp(self.dist, self.model, None if self.ref_offload.enabled else self.ref_model,
                                      groups_per_rank_even=cfg.data.prompts_per_iter % self.dist.world_size == 0)
-            except ValueError as e:
-                raise TrainingError(str(e)) from None
             self.trainable = sharded if sharded is not None else self.trainable
         self.initial_state = None
         if cfg.run.eval_baseline and cfg.run.eval_at_end:
             self.initial_state = {k: v.detach().clone() for k, v in self.model.net.state_dict().items()}
-        self.opt = build_optimizer(
-            self.trainable,
-            cfg.optim.offload_optimizer,
-            lr=cfg.optim.lr,
-            betas=tuple(cfg.optim.betas),
-            weight_decay=cfg.optim.weight_decay,
-            eps=cfg.optim.eps,
-        )
+        oc = cfg.optim
+        self.opt = build_optimizer(self.trainable, oc.offload_optimizer, lr=oc.lr, betas=tuple(oc.betas),
+                                   weight_decay=oc.weight_decay, eps=oc.eps)
         # the harness (trainer/harness.py): EMA of the weights, hacking guard, time budget; all saved in checkpoints
         self.ema_weights = EMAWeights(self.trainable, cfg.optim.ema_decay)
         self.guard_ = HackingGuard.from_config(cfg.run, build_reward)
@@ -178,16 +161,11 @@ class GRPOTrainer(CheckpointMixin):
         self.gen = torch.Generator(device="cpu").manual_seed(cfg.run.seed)
         self.timesteps = time_grid(cfg.sampler.num_steps, cfg.sampler.shift, cfg.sampler.grid)
         self.params = sampler_params(cfg)
-        try:
-            self.objective = build_objective(cfg.objective.name, cfg.objective.options, cfg)
-        except ValueError as e:
-            raise TrainingError(str(e)) from None
         self.credit_state: dict[str, torch.Tensor] = {}
         self.iteration = 0
         self.nonfinite = NonFiniteGuard(cfg.faults.max_nonfinite, self.dist.is_main)
-        self.call_reward = RetryingCall(
-            cfg.faults.reward_retries, cfg.faults.reward_backoff, cfg.faults.reward_timeout
-        )
+        fc = cfg.faults
+        self.call_reward = RetryingCall(fc.reward_retries, fc.reward_backoff, fc.reward_timeout)
         self.uncond1 = self.model.encode_prompts([""]) if cfg.sampler.guidance_scale != 1.0 else None
 
         # --- the run folder ---------------------------------------------------------------------------------
@@ -337,30 +315,14 @@ class GRPOTrainer(CheckpointMixin):
             cond = model.encode_prompts(prompts)
             uncond = cond_repeat(self.uncond1, B) if self.uncond1 is not None else None
             # noise seeded per (seed, iteration, group): the same samples on 1 or N processes
-            init, noise = layout_noise(
-                cfg.run.seed,
-                self.iteration + 1,
-                self.shard,
-                model.latent_shape,
-                len(self.timesteps) - 1,
-                cfg.shared_noise,
-            )
+            T = len(self.timesteps) - 1
+            it = self.iteration + 1
+            init, noise = layout_noise(cfg.run.seed, it, self.shard, model.latent_shape, T, cfg.shared_noise)
             traj = rollout(
-                model,
-                prompts,
-                meta,
-                gids,
-                timesteps=self.timesteps,
-                sampler=self.params,
-                guidance_scale=guidance,
-                generator=None,
-                init_noise=init,
-                step_noise=noise,
+                model, prompts, meta, gids, timesteps=self.timesteps, sampler=self.params, guidance_scale=guidance,
+                generator=None, init_noise=init, step_noise=noise, cond=cond, uncond=uncond,
                 keep_velocities=needs_step_rewards(cfg.credit) or needs_instant_rewards(cfg.credit),
-                train_fraction=cfg.sampler.timestep_fraction,
-                ode_untrained=cfg.sampler.ode_untrained,
-                cond=cond,
-                uncond=uncond,
+                train_fraction=cfg.sampler.timestep_fraction, ode_untrained=cfg.sampler.ode_untrained,
             )
         T = traj.num_steps
         # grpo trains the stochastic steps inside timestep_fraction; forward-process objectives the first
