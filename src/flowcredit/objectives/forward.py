@@ -31,9 +31,11 @@ STREAM_FORWARD_NOISE = 0x4E4654  # derived_generator stream of the forward-proce
 NoiseMode = Literal["fresh", "rollout"]
 
 
-def noise_generator(seed: int, iteration: int) -> torch.Generator:
-    """CPU generator of the forward-process noise of one iteration (the same on every rank and every resume)."""
-    seq = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, STREAM_FORWARD_NOISE, int(iteration)])
+def noise_generator(seed: int, iteration: int, group: int | None = None) -> torch.Generator:
+    """CPU generator of the forward-process noise of one iteration (the same on every rank and every resume); with
+    `group`, the generator of that prompt group's shared noise (crn)."""
+    key = [int(seed) & 0xFFFFFFFF, STREAM_FORWARD_NOISE, int(iteration)] + ([] if group is None else [int(group)])
+    seq = np.random.SeedSequence(key)
     s = seq.generate_state(2, np.uint32)
     return torch.Generator(device="cpu").manual_seed(int(s[0]) << 31 ^ int(s[1]))
 
@@ -43,12 +45,16 @@ class ForwardProcess:
 
     Attributes:
         noise: "fresh" or "rollout".
+        crn: common random numbers within a prompt group: every member is noised with the same ε at the same trained
+            steps (`shares_steps_in_group`), so the part of the flow-matching gradient that does not depend on the
+            sample cancels in Σ_b A_b ∇ℓ_b (group-centred advantages sum to 0). ALGORITHMS.md §9.1.
         eps: (B, T, *latent) fresh noise of the current update (noise=fresh).
         v_old: (B, T, *latent) velocities of θ at the start of the update where pairs are trained (off-policy only).
     """
 
-    def __init__(self, noise: NoiseMode):
+    def __init__(self, noise: NoiseMode, crn: bool = False):
         self.noise = noise
+        self.crn = crn
         self.eps: Tensor | None = None
         self.v_old: Tensor | None = None
 
@@ -63,9 +69,17 @@ class ForwardProcess:
         lat = traj.latents
         self.eps = None
         if self.noise == "fresh":
-            gen = noise_generator(ctx.seed, ctx.iteration)
             shape = (lat.shape[0], traj.num_steps, *lat.shape[2:])
-            self.eps = torch.randn(shape, generator=gen, dtype=torch.float32).to(device=lat.device, dtype=lat.dtype)
+            if self.crn:  # one (T, *latent) draw per prompt group, whatever rank or row holds its members
+                gids = traj.group_ids.tolist()
+                per_group = {
+                    g: torch.randn(shape[1:], generator=noise_generator(ctx.seed, ctx.iteration, g))
+                    for g in sorted(set(gids))
+                }
+                eps = torch.stack([per_group[g] for g in gids])
+            else:
+                eps = torch.randn(shape, generator=noise_generator(ctx.seed, ctx.iteration), dtype=torch.float32)
+            self.eps = eps.to(device=lat.device, dtype=lat.dtype)
         self.v_old = None
         if ctx.on_policy or not pairs:
             return 0

@@ -23,6 +23,7 @@ rollouts sample from it; here π_old is θ at the start of the update (identical
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -30,6 +31,8 @@ from torch import Tensor
 from ..types import Trajectory
 from .base import LossContext, LossOut, register_objective
 from .forward import ForwardProcess, NoiseMode
+
+AdvMode = Literal["all", "positive_only", "negative_only", "binary"]
 
 
 @dataclass
@@ -50,6 +53,42 @@ class NFTOptions:
             "choices": ("fresh", "rollout"),
         },
     )
+    crn: bool = field(
+        default=False,
+        metadata={
+            "help": "Common random numbers: the members of a prompt group are trained at the same steps with the same "
+            "ε, so sample-independent gradient noise cancels in the group-centred advantage sum (noise=fresh)."
+        },
+    )
+    adv_mode: AdvMode = field(
+        default="all",
+        metadata={
+            "help": "Which advantages train (DiffusionNFT `train.adv_mode`): all; positive_only = clamp(A, 0, m) (no "
+            "push away from negatives); negative_only = clamp(A, −m, 0); binary = sign(A).",
+            "choices": ("all", "positive_only", "negative_only", "binary"),
+        },
+    )
+
+
+def nft_optimality(adv: Tensor, m: float, adv_mode: str = "all") -> Tensor:
+    """r = clamp(clamp(A', −m, m)/(2m) + 1/2, 0, 1) with A' the advantage after `adv_mode` (DiffusionNFT §3.2).
+
+    Args:
+        adv: (n,) advantages. m: adv_clip_max. adv_mode: all | positive_only | negative_only | binary.
+
+    Returns:
+        (n,) fp32 optimality probabilities r ∈ [0, 1].
+    """
+    a = adv.float().clamp(-m, m)
+    if adv_mode == "positive_only":
+        a = a.clamp(0.0, m)
+    elif adv_mode == "negative_only":
+        a = a.clamp(-m, 0.0)
+    elif adv_mode == "binary":
+        a = torch.sign(a)
+    elif adv_mode != "all":
+        raise ValueError(f"objective.options.adv_mode: unknown {adv_mode!r}; use all|positive_only|binary")
+    return (a / m / 2.0 + 0.5).clamp(0.0, 1.0)
 
 
 def nft_pair_loss(
@@ -70,7 +109,7 @@ def nft_pair_loss(
     """
     v, v_old, x_t, x0 = v.float(), v_old.float().detach(), x_t.float(), x0.float()
     m, beta = opts.adv_clip_max, opts.beta
-    r = (adv.float().clamp(-m, m) / m / 2.0 + 0.5).clamp(0.0, 1.0)
+    r = nft_optimality(adv, m, opts.adv_mode)
     tb = t.float().view(-1, *([1] * (x0.dim() - 1)))
     v_pos = beta * v + (1.0 - beta) * v_old
     v_neg = (1.0 + beta) * v_old - beta * v
@@ -97,7 +136,8 @@ class NFTObjective:
 
     def __init__(self, options: NFTOptions):
         self.options = options
-        self.fp = ForwardProcess(options.noise)
+        self.fp = ForwardProcess(options.noise, options.crn)
+        self.shares_steps_in_group = options.crn
 
     def skip_zero_advantage(self, on_policy: bool, kl_beta: float) -> bool:
         # r = 1/2 gives zero gradient only at v_θ = v_old (on-policy) and without a KL term

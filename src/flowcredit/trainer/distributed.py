@@ -292,8 +292,12 @@ def plan_update(
     updates_per_epoch: int,
     steps_per_sample: int,
     skip_zero_adv: bool,
+    step_groups: list[int] | None = None,
 ) -> tuple[int, list[list[tuple[list[tuple[int, int]], int]]]]:
     """Which (sample, step) pairs each optimizer step trains, decided on the GLOBAL batch by every rank alike.
+
+    With `step_groups` (B prompt-group ids) the `steps_per_sample` random steps are drawn once per group, so the
+    members of a group train the same steps (the forward-process objectives' common random numbers).
 
     Returns (number of global pairs, per epoch a list of chunks), each chunk = (this rank's pairs as (local row, step),
     the chunk's GLOBAL pair count — the loss normaliser). With one process this is the classic update schedule.
@@ -304,9 +308,9 @@ def plan_update(
     if steps_per_sample > 0:
         pairs = []
         for b in range(B):
-            perm = torch.randperm(len(steps_ok), generator=derived_generator(seed, STREAM_STEP_SUBSET, iteration, b))[
-                :steps_per_sample
-            ]
+            key = b if step_groups is None else B + int(step_groups[b])  # group keys never collide with row keys
+            gen = derived_generator(seed, STREAM_STEP_SUBSET, iteration, key)
+            perm = torch.randperm(len(steps_ok), generator=gen)[:steps_per_sample]
             pairs += [(b, steps_ok[int(i)]) for i in perm]
     else:
         pairs = [(b, j) for b in range(B) for j in steps_ok]
