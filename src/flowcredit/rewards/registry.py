@@ -72,3 +72,14 @@ def resolve(name: str):
 def build_reward(name: str, **kwargs: Any):
     """Instantiate a reward by name with its options (keyword arguments of its constructor)."""
     return resolve(name)(**kwargs)
+
+
+def reward_from_config(rc: Any):
+    """The reward of a `reward:` config section (config.schema.RewardCfg): one reward, or the weighted mix of
+    `reward.components` when name is 'mix'."""
+    if rc.name != "mix":
+        return build_reward(rc.name, **rc.options)
+    if not rc.components:
+        raise ValueError("reward.name=mix needs reward.components, e.g. [{name: shapes, weight: 1.0}]")
+    comps = [{"name": c.name, "weight": c.weight, "options": c.options, "label": c.label} for c in rc.components]
+    return build_reward("mix", components=comps, normalize=rc.normalize)

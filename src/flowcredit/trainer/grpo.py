@@ -1,27 +1,22 @@
-"""THE training loop of every GRPO-family method (Flow-GRPO, Stepwise-Flow-GRPO, VGPO).
+"""THE training loop of every method: credit (Flow-GRPO, Stepwise-Flow-GRPO, VGPO) × objective (grpo, nft, awm).
 
-One iteration reads as pseudocode:
+`train()` + `train_step()` read as the pseudocode of one iteration:
 
-    prompts, groups = sampler.draw(P, G)
-    traj    = rollout(policy, prompts, sampler=SDE)                  # no grad, records log π_old
+    prompts, groups = shard.draw(P, G)
+    traj    = rollout(policy, prompts, sampler)                      # no grad, records log π_old
     rewards = reward(decode(x_T))                                    # (B,)
-    if the credit needs them: ρ_j = reward(decode(x̂0(x^(j))))        # (B, T+1), Stepwise §4.1 / VGPO §5.2
+    if the credit requires them: ρ_j = reward(decode(x̂0(x^(j))))     # (B, T+1), Stepwise §4.1 / VGPO §5.2
     adv     = assign_credit(cfg.credit, rewards, ρ, groups)          # (B, T)
-    update:  for every trained (sample, step) pair:
-                 v      = policy_velocity(θ, x^(j), t_j)              # the SAME function as the rollout
-                 logp   = sampler_step(x^(j) → x^(j+1), v).log_prob   # the SAME step function
-                 loss  += PPO-clip(logp, logp_old, adv) + β·KL(π_θ ‖ π_ref)
+    for every optimizer step, over its trained (sample, step) pairs:
+        loss = Σ objective.loss(pair, adv) / N_pairs                 # grpo: PPO-clip + β·KL; nft; awm
+        backward → Σ over ranks → clip → optimizer step → EMA
     log → checkpoint
 
-Only this file touches the optimizer, the reference model and the run folder. Components are pure.
-Ratio parity: when the update is strictly on-policy (one pass, one optimizer step per rollout batch), θ_old = θ,
-so we use logp_old = logp.detach() and the ratio is exactly 1 (its gradient is ∇logp). The rollout's recorded
-log-probs are compared with the recomputed ones every iteration (`parity_max_abs_dlogp`): in fp32 they agree to
-~1e-7; in bf16 the difference is numeric noise that must not be mistaken for off-policyness.
-
-Scale and faults (docs/SCALING.md): on N processes each rank runs its slice of the global batch and the credit sees
-the gathered batch (`distributed.py`); checkpoints are atomic and verified (`flowcredit/checkpoints.py`); NaN/Inf
-updates are skipped, failing rewards retried, SIGTERM checkpoints and exits (`faults.py`). Only rank 0 writes.
+Only this file touches the optimizer, the reference model and the run folder; the harness (time budget, EMA, hacking
+guard, FSDP padding, stop conditions) is in `harness.py`, checkpoint contents in `state.py`. Ratio parity: when the
+update is strictly on-policy, θ_old = θ and the ratio is exactly 1; the rollout's log-probs are compared with the
+recomputed ones every iteration (`parity_max_abs_dlogp`). Scale and faults: docs/SCALING.md (`distributed.py`,
+`faults.py`, `flowcredit/checkpoints.py`); only rank 0 writes.
 """
 
 from __future__ import annotations
@@ -38,8 +33,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import checkpoints as checkpoint
-from ..config.load import dump_yaml
 from ..config.schema import TrainConfig
 from ..credit.base import CreditInput
 from ..credit.registry import assign_credit, needs_instant_rewards, needs_step_rewards
@@ -62,10 +55,10 @@ from .distributed import (
     plan_update,
 )
 from .evaluation import RunEvaluation
-from .faults import NonFiniteGuard, RetryingCall, StopSignal, first_nonfinite, inject_point
-from .harness import EMAWeights, HackingGuard, PhaseTimer, TimeBudget
+from .faults import NonFiniteGuard, RetryingCall, first_nonfinite, inject_point
+from .harness import DistPadding, EMAWeights, HackingGuard, PhaseTimer, RunLoop, TimeBudget
 from .intermediate import intermediate_rewards
-from .loggers import build_loggers, check_logger_names, save_grid, write_metrics
+from .loggers import check_logger_names, save_grid, write_metrics
 from .preflight import check_memory
 from .state import CheckpointMixin, TrainingError
 
@@ -86,6 +79,20 @@ def sampler_params(cfg: TrainConfig) -> SamplerParams:
     )
 
 
+@dataclasses.dataclass
+class Rollout:
+    """This rank's rows of one iteration: prompts, their metadata and global group ids (B,), the conditioning, the
+    trajectory (latents, log-probs, step mask; rewards once scored) and the decoded images (after the reward)."""
+
+    prompts: list[str]
+    meta: list[Any]
+    gids: torch.Tensor
+    cond: Any
+    uncond: Any
+    traj: Trajectory
+    images: Any = None
+
+
 class GRPOTrainer(CheckpointMixin):
     """Flow-GRPO-family trainer. `setup()` builds everything and validates inputs before anything is written;
     `train()` runs the loop; `save_checkpoint()` / `load_checkpoint()` persist every state."""
@@ -99,7 +106,7 @@ class GRPOTrainer(CheckpointMixin):
     def setup(self) -> None:
         cfg = self.cfg
         from ..models.factory import build_model, set_trainable
-        from ..rewards.registry import build_reward
+        from ..rewards.registry import build_reward, reward_from_config
         from ..shapes.prompts import load_prompts
         from .data import PromptSampler
 
@@ -109,7 +116,7 @@ class GRPOTrainer(CheckpointMixin):
         with _one_line():
             d = cfg.data
             self.prompt_sampler = PromptSampler(self.train_prompts, cfg.run.seed, d.balance_tags, d.tag_weights)
-            self.reward_fn = self._build_reward(build_reward)
+            self.reward_fn = reward_from_config(cfg.reward)
             self.objective = build_objective(cfg.objective.name, cfg.objective.options, cfg)
         check = getattr(self.reward_fn, "check_prompts", None)  # a reward may require prompt metadata (shapes)
         if callable(check):
@@ -164,6 +171,7 @@ class GRPOTrainer(CheckpointMixin):
         self.credit_state: dict[str, torch.Tensor] = {}
         self.iteration = 0
         self.nonfinite = NonFiniteGuard(cfg.faults.max_nonfinite, self.dist.is_main)
+        self.padding = DistPadding(self.dist, cfg.optim.micro_batch)  # FSDP: equal micro-batch passes on every rank
         fc = cfg.faults
         self.call_reward = RetryingCall(fc.reward_retries, fc.reward_backoff, fc.reward_timeout)
         self.uncond1 = self.model.encode_prompts([""]) if cfg.sampler.guidance_scale != 1.0 else None
@@ -184,72 +192,21 @@ class GRPOTrainer(CheckpointMixin):
                 self.ema_weights,
                 self.trainable,
             )
-        # before anything is written: a run folder without an intact checkpoint stays as it is
-        ckpt = self.latest_checkpoint()
-        if self.dist.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "checkpoints").mkdir(exist_ok=True)
-            (self.out / "grids").mkdir(exist_ok=True)
-            # the resolved config; a resumed run keeps its original config.yaml and records the new one beside it
-            dump_yaml(
-                cfg, self.out / ("config.yaml" if not (self.out / "config.yaml").exists() else "config.resumed.yaml")
-            )
-        self.dist.barrier()
-        if ckpt is not None:
-            self.load_checkpoint(ckpt)
-            if self.dist.is_main:
-                print(f"resuming from {ckpt} (iteration {self.iteration})", file=sys.stderr, flush=True)
-        self.metrics_f, self.loggers = None, []  # rank 0 only: metrics.jsonl + run.loggers (trainer/loggers.py)
-        if self.dist.is_main:
-            # a resumed run redoes later iterations
-            for log_file in ("metrics.jsonl", "eval_curve.jsonl", "gold.jsonl"):
-                checkpoint.truncate_jsonl(self.out / log_file, self.iteration if ckpt is not None else -1)
-            self.metrics_f = open(self.out / "metrics.jsonl", "a")
-            try:  # default [tensorboard] is best effort: metrics.jsonl is the record of truth
-                self.loggers = build_loggers(cfg.run.loggers, self.out, dataclasses.asdict(cfg))
-            except ValueError as e:  # a named logger that is unknown or not installed: one line with the pip command
-                raise TrainingError(str(e)) from None
-
-    def _build_reward(self, build_reward):
-        rc = self.cfg.reward
-        if rc.name != "mix":
-            return build_reward(rc.name, **rc.options)
-        if not rc.components:
-            raise ValueError("reward.name=mix needs reward.components, e.g. [{name: shapes, weight: 1.0}]")
-        comps = [{"name": c.name, "weight": c.weight, "options": c.options, "label": c.label} for c in rc.components]
-        return build_reward("mix", components=comps, normalize=rc.normalize)
+        self.open_run_folder()  # resumes from its newest intact checkpoint (trainer/state.py)
 
     # -------------------------------------------------------------------------------------------------- loop
     def train(self) -> dict[str, Any]:
+        """THE loop: rollout → reward → credit → objective loss → optimizer step (`train_step`) → log → checkpoint,
+        until run.iterations, a time limit or a signal (`harness.RunLoop`); then the final evaluation."""
         cfg = self.cfg
-        t_start = time.time()
-        bar = None
-        try:
-            from tqdm import tqdm
-
-            bar = tqdm(
-                total=cfg.run.iterations,
-                initial=self.iteration,
-                desc=f"train[{cfg.method}/{cfg.objective.name}]",
-                dynamic_ncols=True,
-                disable=not self.dist.is_main,
-            )
-        except ImportError:
-            pass
-        signals, stopped = StopSignal(cfg.faults.handle_signals), None  # SIGTERM/SIGINT: stop after the iteration
-        stopped_by_budget = False
-        with signals:
+        with RunLoop(cfg, self.dist, self.budget, self.iteration) as loop:
             if cfg.run.eval_every and self.iteration == 0 and self.dist.evaluates:
                 self.periodic_eval()  # the curve starts at the initial model
-            while self.iteration < cfg.run.iterations:
-                if self.dist.any(bool(cfg.run.max_minutes) and (time.time() - t_start) > 60 * cfg.run.max_minutes):
-                    break
-                if self.dist.any(self.budget.over()):
-                    stopped_by_budget = True
-                    break
+            while loop.running(self.iteration):
                 t_iter = time.time()
-                stats = self.train_step()
+                stats = self.train_step()  # rollout → reward → credit → objective loss → optimizer step
                 self.iteration += 1
+                # ---------------------------------------------------------------- LOG
                 if self.iteration % cfg.run.log_every == 0:
                     self.log(stats)
                 if cfg.run.grid_every and self.iteration % cfg.run.grid_every == 0:
@@ -257,141 +214,113 @@ class GRPOTrainer(CheckpointMixin):
                 if cfg.run.eval_every and self.iteration % cfg.run.eval_every == 0:
                     self.periodic_eval()
                 self.guard(stats)
-                ckpt_every = cfg.run.checkpoint_every
-                if (ckpt_every and self.iteration % ckpt_every == 0) or self.iteration == cfg.run.iterations:
+                # ---------------------------------------------------------------- CHECKPOINT
+                every = cfg.run.checkpoint_every
+                if (every and self.iteration % every == 0) or self.iteration == cfg.run.iterations:
                     self.save_checkpoint()
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(
-                        reward=f"{stats['reward_mean']:.3f}", strict=f"{stats.get('strict_mean', float('nan')):.2f}"
-                    )
-                self.budget.record(time.time() - t_iter, stats["nfe_rollout"], stats["seconds"].get("rollout", 0.0))
-                if self.dist.any(signals.requested is not None):  # every rank stops at the same iteration
-                    stopped = signals.requested or "signal"
+                if not loop.end_iteration(stats, time.time() - t_iter):
                     break
-            if bar is not None:
-                bar.close()
+            loop.close_bar()
             self.save_checkpoint()
-        result: dict[str, Any] = {"iterations": self.iteration, "train_seconds": time.time() - t_start}
-        if stopped_by_budget:
-            result["stopped_by_budget"] = True
-        if stopped:
-            result["stopped"] = stopped
-        elif cfg.run.eval_at_end and self.dist.evaluates:
+        result = loop.result(self.iteration)
+        if not loop.stopped and cfg.run.eval_at_end and self.dist.evaluates:
             result["eval"] = self.final_eval()
-        if self.metrics_f is not None:
-            self.metrics_f.close()
-        for logger in self.loggers:
-            logger.close()
-        self.dist.close()
+        self.close()
         return result
 
-    def eval_forwards(self) -> int:
-        """Model forward-images the final evaluation will cost (`evaluation.RunEvaluation.forwards`)."""
-        return self.evaluation.forwards() if self.evaluation is not None else 0
-
-    def over_budget(self, iter_seconds: list[float], fwd_rates: list[float]) -> bool:
-        """run.budget_minutes with the given measurements (`harness.TimeBudget.over`)."""
-        self.budget.iter_seconds, self.budget.fwd_rates = list(iter_seconds), list(fwd_rates)
-        return self.budget.over()
-
     def train_step(self) -> dict[str, Any]:
-        """One iteration: rollout → rewards → (intermediate rewards) → credit → update.
+        """One iteration of the algorithm: rollout → reward → credit → objective loss → optimizer step; its stats.
 
         On N processes this rank rolls out and scores its B/N rows of the global batch; the rewards are gathered so
         the credit (and every statistic) sees the global batch, and the rank keeps its rows' advantages.
         """
-        cfg, model = self.cfg, self.model
         timer = PhaseTimer(iteration=self.iteration + 1)
         stats: dict[str, Any] = {}
-        prompts, meta, gids = self.shard.draw(self.prompt_sampler)  # this rank's rows; group ids are global
-        B = len(prompts)
-        guidance = cfg.sampler.guidance_scale
-        nfe = nfe_per_sample(self.uncond1, guidance)
-
-        # ---------------------------------------------------------------- ROLLOUT
-        with timer("rollout"):
-            model.eval()
-            cond = model.encode_prompts(prompts)
-            uncond = cond_repeat(self.uncond1, B) if self.uncond1 is not None else None
-            # noise seeded per (seed, iteration, group): the same samples on 1 or N processes
-            T = len(self.timesteps) - 1
-            it = self.iteration + 1
-            init, noise = layout_noise(cfg.run.seed, it, self.shard, model.latent_shape, T, cfg.shared_noise)
-            traj = rollout(
-                model, prompts, meta, gids, timesteps=self.timesteps, sampler=self.params, guidance_scale=guidance,
-                generator=None, init_noise=init, step_noise=noise, cond=cond, uncond=uncond,
-                keep_velocities=needs_step_rewards(cfg.credit) or needs_instant_rewards(cfg.credit),
-                train_fraction=cfg.sampler.timestep_fraction, ode_untrained=cfg.sampler.ode_untrained,
-            )
-        T = traj.num_steps
-        # grpo trains the stochastic steps inside timestep_fraction; forward-process objectives the first
-        # int(T·fraction) steps whatever the rollout SDE (an ODE rollout has no σ > 0 step)
-        traj.step_mask = self.objective.trained_steps(traj, cfg.sampler.timestep_fraction)
-        stats["nfe_rollout"] = B * T * nfe
-
-        # ---------------------------------------------------------------- REWARD
-        with timer("reward"):
-            images = model.decode(traj.latents[:, -1])
-            ro = self.call_reward(self.reward_fn, images, prompts, meta, group_ids=gids)  # retried per `faults`
-            traj.rewards = ro.scores.float()
-        rewards = self._gathered(traj.rewards)  # (B_global,)
-        stats["reward_calls"] = B
-        stats["reward_mean"] = float(rewards.mean())
-        stats["reward_std"] = float(rewards.std(unbiased=False))
-        # hacking guard: within-group diversity (mean pairwise RMS pixel distance); collapse = mode collapse
-        stats["diversity"] = float(group_diversity(images, gids).mean())
-        for k, v in ro.components.items():
-            stats[f"{k}_mean"] = float(self._gathered(v.float()).mean())
-
-        # ---------------------------------------------------------------- INTERMEDIATE REWARDS (Stepwise / VGPO)
+        with timer("rollout"):  # no grad: latents, log π_old of every step, the trained-step mask
+            ro = self.rollout(stats)
+        with timer("reward"):  # R(x0) of the decoded final images, retried per `faults`
+            ro.images, rewards = self.reward(ro, stats)
+        # ρ_j / I_j of the x̂0 estimates, when the credit method requires them (Stepwise §4.1, VGPO §5.2)
         step_rewards, instant, istats = intermediate_rewards(
-            model, self._score, traj, cond, uncond, cfg, prompts, meta, gids, timer
+            self.model, self._score, ro.traj, ro.cond, ro.uncond, self.cfg, ro.prompts, ro.meta, ro.gids, timer
         )
         stats["reward_calls"] += istats.pop("reward_calls")
         stats.update(istats)
-
-        # ---------------------------------------------------------------- CREDIT (on the gathered global batch)
-        with timer("credit"):
-            step_rewards, instant = self.dist.gather(step_rewards), self.dist.gather(instant)
-            bad = first_nonfinite(rewards=rewards, step_rewards=step_rewards, instant_rewards=instant)
+        with timer("credit"):  # advantages (B, T) from the gathered global batch; None on NaN/Inf input
+            adv, bad = self.credit(ro, rewards, step_rewards, instant, stats)
+        with timer("update"):  # objective loss over the trained (sample, step) pairs → optimizer steps
             if bad is None:
-                cin = CreditInput(
-                    rewards=rewards,
-                    group_ids=self._gathered(gids),
-                    step_mask=traj.step_mask,
-                    step_rewards=step_rewards,
-                    instant_rewards=instant,
-                    state=self.credit_state,
-                )
-                cout = assign_credit(cfg.credit, cin)
-                bad = first_nonfinite(advantages=cout.advantages)
-            if bad is None:
-                self.credit_state = cout.state
-                adv = cout.advantages.float()[self.shard.rows]  # (B, T): this rank's rows
-                for k, v in cout.stats.items():
-                    stats[f"credit/{k}"] = v
-
-        # ---------------------------------------------------------------- UPDATE
-        with timer("update"):
-            if bad is None:
-                ustats = self.update(traj, adv, cond, uncond)
+                ustats = self.update(ro.traj, adv, ro.cond, ro.uncond)
             else:  # NaN/Inf: skip and count; stops the run after faults.max_nonfinite in a row
-                ustats = {
-                    "pairs_trained": 0,
-                    "skipped_update": 1,
-                    "_nfe": 0,
-                    **self.nonfinite.skip(bad, self.iteration + 1),
-                }
+                ustats = {"pairs_trained": 0, "skipped_update": 1, "_nfe": 0,
+                          **self.nonfinite.skip(bad, self.iteration + 1)}
         stats.update(ustats)
         stats["nfe_update"] = ustats.pop("_nfe")
         counts = [k for k in ("nfe_rollout", "reward_calls", "nfe_estimates", "nfe_update") if k in stats]
         stats.update(zip(counts, (int(v) for v in self.dist.sum([stats[k] for k in counts]))))  # over all ranks
         stats["seconds"] = timer.seconds
         stats["seconds_total"] = sum(timer.seconds.values())
-        stats["_images"] = images
-        stats["_prompts"] = prompts
+        stats["_images"] = ro.images
+        stats["_prompts"] = ro.prompts
         return stats
+
+    # ---------------------------------------------------------------------------------- the phases of train_step
+    def rollout(self, stats: dict[str, Any]) -> Rollout:
+        """This rank's rows: prompts, conditioning and the SDE/ODE trajectory (noise seeded per (seed, iteration,
+        group), so the samples are the same on 1 or N processes); the objective marks the trained steps."""
+        cfg, model = self.cfg, self.model
+        prompts, meta, gids = self.shard.draw(self.prompt_sampler)  # this rank's rows; group ids are global
+        B = len(prompts)
+        guidance = cfg.sampler.guidance_scale
+        model.eval()
+        cond = model.encode_prompts(prompts)
+        uncond = cond_repeat(self.uncond1, B) if self.uncond1 is not None else None
+        T, it = len(self.timesteps) - 1, self.iteration + 1
+        init, noise = layout_noise(cfg.run.seed, it, self.shard, model.latent_shape, T, cfg.shared_noise)
+        traj = rollout(
+            model, prompts, meta, gids, timesteps=self.timesteps, sampler=self.params, guidance_scale=guidance,
+            generator=None, init_noise=init, step_noise=noise, cond=cond, uncond=uncond,
+            keep_velocities=needs_step_rewards(cfg.credit) or needs_instant_rewards(cfg.credit),
+            train_fraction=cfg.sampler.timestep_fraction, ode_untrained=cfg.sampler.ode_untrained,
+        )
+        # grpo trains the stochastic steps inside timestep_fraction; forward-process objectives the first
+        # int(T·fraction) steps whatever the rollout SDE (an ODE rollout has no σ > 0 step)
+        traj.step_mask = self.objective.trained_steps(traj, cfg.sampler.timestep_fraction)
+        stats["nfe_rollout"] = B * traj.num_steps * nfe_per_sample(self.uncond1, guidance)
+        return Rollout(prompts, meta, gids, cond, uncond, traj)
+
+    def reward(self, ro: Rollout, stats: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(images (B, 3, H, W), gathered rewards (B_global,)); reward statistics and the within-group diversity."""
+        images = self.model.decode(ro.traj.latents[:, -1])
+        out = self.call_reward(self.reward_fn, images, ro.prompts, ro.meta, group_ids=ro.gids)  # retried per `faults`
+        ro.traj.rewards = out.scores.float()
+        rewards = self._gathered(ro.traj.rewards)  # (B_global,)
+        stats["reward_calls"] = len(ro.prompts)
+        stats["reward_mean"] = float(rewards.mean())
+        stats["reward_std"] = float(rewards.std(unbiased=False))
+        # hacking guard: within-group diversity (mean pairwise RMS pixel distance); collapse = mode collapse
+        stats["diversity"] = float(group_diversity(images, ro.gids).mean())
+        for k, v in out.components.items():
+            stats[f"{k}_mean"] = float(self._gathered(v.float()).mean())
+        return images, rewards
+
+    def credit(self, ro: Rollout, rewards, step_rewards, instant, stats: dict[str, Any]):
+        """(this rank's advantages (B, T), None) from `assign_credit` on the global batch, or (None, what was
+        non-finite). The estimator's cross-iteration state (e.g. the Stepwise EMA baseline) is kept on success."""
+        step_rewards, instant = self.dist.gather(step_rewards), self.dist.gather(instant)
+        bad = first_nonfinite(rewards=rewards, step_rewards=step_rewards, instant_rewards=instant)
+        if bad is not None:
+            return None, bad
+        cin = CreditInput(rewards=rewards, group_ids=self._gathered(ro.gids), step_mask=ro.traj.step_mask,
+                          step_rewards=step_rewards, instant_rewards=instant, state=self.credit_state)
+        cout = assign_credit(self.cfg.credit, cin)
+        bad = first_nonfinite(advantages=cout.advantages)
+        if bad is not None:
+            return None, bad
+        self.credit_state = cout.state
+        for k, v in cout.stats.items():
+            stats[f"credit/{k}"] = v
+        return cout.advantages.float()[self.shard.rows], None  # (B, T): this rank's rows
 
     def _gathered(self, t: torch.Tensor) -> torch.Tensor:
         """`Dist.gather` of a tensor that is present on every rank: (B_local, ...) → (B_global, ...)."""
@@ -413,20 +342,13 @@ class GRPOTrainer(CheckpointMixin):
         are summed over ranks. The objective (grpo / nft / awm, `flowcredit.objectives`) says what the loss of a pair
         is.
         """
-        cfg, model, obj = self.cfg, self.model, self.objective
-        oc = cfg.optim
+        cfg, obj, oc = self.cfg, self.objective, self.cfg.optim
         on_policy = oc.inner_epochs == 1 and oc.updates_per_epoch == 1
         n_pairs, epochs = plan_update(
-            self._gathered(adv),
-            traj.step_mask,
-            self.shard,
-            seed=cfg.run.seed,
-            iteration=self.iteration + 1,
-            inner_epochs=oc.inner_epochs,
-            updates_per_epoch=oc.updates_per_epoch,
+            self._gathered(adv), traj.step_mask, self.shard, seed=cfg.run.seed, iteration=self.iteration + 1,
+            inner_epochs=oc.inner_epochs, updates_per_epoch=oc.updates_per_epoch,
             steps_per_sample=cfg.sampler.train_steps_per_sample,
             skip_zero_adv=obj.skip_zero_advantage(on_policy, oc.kl_beta),
-            step_groups=self._gathered(traj.group_ids).tolist() if getattr(obj, "shares_steps_in_group", 0) else None,
         )
         out: dict[str, Any] = {"pairs_trained": n_pairs, "_nfe": 0}
         if not n_pairs:
@@ -435,53 +357,16 @@ class GRPOTrainer(CheckpointMixin):
                 out["ratio_mean"] = 1.0
             return out
         ctx = LossContext(
-            model=model, traj=traj, cond=cond, uncond=uncond, guidance=cfg.sampler.guidance_scale, params=self.params,
-            reference=self._reference, on_policy=on_policy, seed=cfg.run.seed, iteration=self.iteration + 1,
-            kl_beta=oc.kl_beta, micro_batch=oc.micro_batch, ref_offload=self.ref_offload,
+            model=self.model, traj=traj, cond=cond, uncond=uncond, guidance=cfg.sampler.guidance_scale,
+            params=self.params, reference=self._reference, on_policy=on_policy, seed=cfg.run.seed,
+            iteration=self.iteration + 1, kl_beta=oc.kl_beta, micro_batch=oc.micro_batch, ref_offload=self.ref_offload,
         )
-        model.train()
+        self.model.train()
         out["_nfe"] += obj.prepare(ctx, [p for chunks in epochs for mine, _ in chunks for p in mine])
         acc: dict[str, list[float]] = {}
-        nfe = nfe_per_sample(uncond, cfg.sampler.guidance_scale)
         for chunks in epochs:
             for mine, n_chunk in chunks:  # this rank's (row, step) pairs of one optimizer step; its global pair count
-                self.opt.zero_grad(set_to_none=True)
-                nonfinite_loss = False
-                n_mb = self.dist.micro_batches(len(mine), oc.micro_batch)  # FSDP: the max over ranks
-                for s in range(0, n_mb * oc.micro_batch, oc.micro_batch):
-                    mb = mine[s : s + oc.micro_batch]
-                    # FSDP only: this rank is out of pairs; a zero-weight pass joins the others' collectives
-                    pad = not mb
-                    if pad:
-                        mb = [(0, int(traj.step_mask.nonzero()[0]))]
-                    bi = torch.tensor([p[0] for p in mb])
-                    ji = torch.tensor([p[1] for p in mb])
-                    lo = obj.loss(ctx, bi, ji, adv[bi, ji])
-                    mb_loss = lo.loss.sum() / n_chunk
-                    if pad:
-                        (mb_loss * 0.0).backward()
-                        continue
-                    out["_nfe"] += lo.nfe
-                    nonfinite_loss |= not bool(torch.isfinite(mb_loss))
-                    mb_loss.backward()
-                    out["_nfe"] += len(mb) * nfe * 2  # forward + backward ≈ counted as 2 NFE-equivalents
-                    for k, val in lo.sums.items():
-                        acc.setdefault(k, []).append(val)
-                    acc.setdefault("loss", []).append(float(lo.loss.detach().sum()))
-                    for k, val in lo.maxes.items():
-                        acc.setdefault(k, []).append(val)
-                nonfinite_loss = self.dist.sync_grads(self.trainable, nonfinite_loss)  # Σ over ranks
-                gn = clip_grad_norm(self.trainable, oc.grad_clip)  # the global norm, also of FSDP shards
-                # skip and count; stops after faults.max_nonfinite in a row
-                if nonfinite_loss or not torch.isfinite(gn):
-                    self.opt.zero_grad(set_to_none=True)
-                    out["skipped_update"] = out.get("skipped_update", 0) + 1
-                    out.update(self.nonfinite.skip("loss" if nonfinite_loss else "gradients", self.iteration + 1))
-                    continue
-                self.nonfinite.ok()
-                self.opt.step()
-                acc.setdefault("grad_norm", []).append(float(gn))
-                self.ema_weights.update(self.trainable)
+                out["_nfe"] += self._optimizer_step(ctx, adv, mine, n_chunk, acc, out)
         n_total = n_pairs * oc.inner_epochs
         keys = ("loss",) + tuple(obj.sum_keys)
         for k, v in zip(keys, self.dist.sum([sum(acc.get(k, [0.0])) for k in keys])):  # Σ over ranks
@@ -490,6 +375,44 @@ class GRPOTrainer(CheckpointMixin):
         for k in obj.max_keys:
             out[k] = self.dist.max([max(acc.get(k, [0.0]))])[0]
         return out
+
+    def _optimizer_step(self, ctx: LossContext, adv, mine: list, n_chunk: int, acc: dict, out: dict) -> int:
+        """One optimizer step on this rank's pairs `mine` (loss / the global pair count `n_chunk`): accumulate over
+        micro-batches (FSDP-padded, `harness.DistPadding`), Σ gradients over ranks, clip, skip non-finite, step, EMA.
+        Appends the statistics to `acc`; returns the NFEs spent."""
+        obj, nfe_pair = self.objective, nfe_per_sample(ctx.uncond, ctx.guidance)
+        nfe = 0
+        self.opt.zero_grad(set_to_none=True)
+        nonfinite_loss = False
+        for mb, pad in self.padding.chunks(mine, ctx.traj.step_mask):
+            bi = torch.tensor([p[0] for p in mb])
+            ji = torch.tensor([p[1] for p in mb])
+            lo = obj.loss(ctx, bi, ji, adv[bi, ji])
+            mb_loss = lo.loss.sum() / n_chunk
+            if pad:
+                self.padding.backward_padding(mb_loss)
+                continue
+            nfe += lo.nfe
+            nonfinite_loss |= not bool(torch.isfinite(mb_loss))
+            mb_loss.backward()
+            nfe += len(mb) * nfe_pair * 2  # forward + backward ≈ counted as 2 NFE-equivalents
+            for k, val in lo.sums.items():
+                acc.setdefault(k, []).append(val)
+            acc.setdefault("loss", []).append(float(lo.loss.detach().sum()))
+            for k, val in lo.maxes.items():
+                acc.setdefault(k, []).append(val)
+        nonfinite_loss = self.dist.sync_grads(self.trainable, nonfinite_loss)  # Σ over ranks
+        gn = clip_grad_norm(self.trainable, self.cfg.optim.grad_clip)  # the global norm, also of FSDP shards
+        if nonfinite_loss or not torch.isfinite(gn):  # skip and count; stops after faults.max_nonfinite in a row
+            self.opt.zero_grad(set_to_none=True)
+            out["skipped_update"] = out.get("skipped_update", 0) + 1
+            out.update(self.nonfinite.skip("loss" if nonfinite_loss else "gradients", self.iteration + 1))
+            return nfe
+        self.nonfinite.ok()
+        self.opt.step()
+        acc.setdefault("grad_norm", []).append(float(gn))
+        self.ema_weights.update(self.trainable)
+        return nfe
 
     def guard(self, stats: dict[str, Any]) -> None:
         """Hacking guard (run.gold_reward): the alarm sees the training reward and diversity every iteration and the
@@ -555,3 +478,20 @@ class GRPOTrainer(CheckpointMixin):
         assert self.evaluation is not None, "run.eval_at_end builds the evaluation in setup()"
         self.evaluation.reward_fn = self.reward_fn
         return self.evaluation.final()
+
+    def eval_forwards(self) -> int:
+        """Model forward-images the final evaluation will cost (`evaluation.RunEvaluation.forwards`)."""
+        return self.evaluation.forwards() if self.evaluation is not None else 0
+
+    def over_budget(self, iter_seconds: list[float], fwd_rates: list[float]) -> bool:
+        """run.budget_minutes with the given measurements (`harness.TimeBudget.over`)."""
+        self.budget.iter_seconds, self.budget.fwd_rates = list(iter_seconds), list(fwd_rates)
+        return self.budget.over()
+
+    def close(self) -> None:
+        """Close metrics.jsonl, the loggers and the process group."""
+        if self.metrics_f is not None:
+            self.metrics_f.close()
+        for logger in self.loggers:
+            logger.close()
+        self.dist.close()

@@ -4,12 +4,15 @@ The loop (`trainer/grpo.py`) is rollout → reward → credit → objective loss
 decides *when* to stop, *which* weights are evaluated and *whether* the reward is being hacked lives here:
 
     PhaseTimer    wall seconds per phase of one iteration (and the test-only fault-injection points)
+    RunLoop       whether the loop goes on: run.iterations, run.max_minutes, the time budget, SIGTERM/SIGINT; the bar
     TimeBudget    run.budget_minutes: stop before one more iteration + the final evaluation would not fit
     EMAWeights    optim.ema_decay: the EMA of the trainable weights, swapped in for every evaluation
     HackingGuard  run.gold_reward: held-out gold reward + the train-up/gold-down alarm (rewards/guards.py)
+    DistPadding   dist.fsdp: every rank runs as many micro-batch passes as the busiest one (zero-weight padding)
 
-The trainer saves `{name: obj.state_dict()}` of these in every checkpoint, so a resumed run continues with the same
-measured rates, EMA and gold/alarm history.
+The trainer saves `{name: obj.state_dict()}` of the stateful ones (TimeBudget, HackingGuard; the EMA weights travel
+as tensors) in every checkpoint, so a resumed run continues with the same measured rates, EMA and gold/alarm history.
+PhaseTimer, RunLoop and DistPadding hold nothing that outlives an iteration or a job, so they have no state_dict.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .faults import inject_point
+from .faults import StopSignal, inject_point
 
 
 @dataclass
@@ -172,3 +175,104 @@ class HackingGuard:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.gold.load_state_dict(state.get("gold", {}))
         self.alarm.load_state_dict(state.get("alarm", {}))
+
+
+class RunLoop:
+    """Whether the training loop goes on, and its progress bar (rank 0).
+
+    The loop stops before an iteration when run.iterations are done, run.max_minutes have passed or the time budget
+    says the next iteration and the final evaluation would not fit (`TimeBudget.over`), and after an iteration when
+    SIGTERM/SIGINT asked (`faults.StopSignal`: finish the iteration, checkpoint, exit 0). Every rank decides the same
+    (`Dist.any`), so all stop at the same iteration. Use as a context manager around the loop.
+    """
+
+    def __init__(self, cfg: Any, dist: Any, budget: TimeBudget, iteration: int):
+        self.cfg, self.dist, self.budget = cfg, dist, budget
+        self.t_start = time.time()
+        self.signals = StopSignal(cfg.faults.handle_signals)
+        self.stopped: str | None = None  # the signal that stopped the run
+        self.stopped_by_budget = False
+        self.bar = None
+        try:
+            from tqdm import tqdm
+
+            desc = f"train[{cfg.method}/{cfg.objective.name}]"
+            self.bar = tqdm(total=cfg.run.iterations, initial=iteration, desc=desc, dynamic_ncols=True,
+                            disable=not dist.is_main)
+        except ImportError:
+            pass
+
+    def __enter__(self) -> RunLoop:
+        self.signals.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        return self.signals.__exit__(*exc)
+
+    def running(self, iteration: int) -> bool:
+        """True when iteration `iteration + 1` may start."""
+        run = self.cfg.run
+        if iteration >= run.iterations:
+            return False
+        if self.dist.any(bool(run.max_minutes) and (time.time() - self.t_start) > 60 * run.max_minutes):
+            return False
+        if self.dist.any(self.budget.over()):
+            self.stopped_by_budget = True
+            return False
+        return True
+
+    def end_iteration(self, stats: dict[str, Any], iter_seconds: float) -> bool:
+        """Record one finished iteration (bar, budget measurements); False when a signal asks to stop now."""
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(
+                reward=f"{stats['reward_mean']:.3f}", strict=f"{stats.get('strict_mean', float('nan')):.2f}"
+            )
+        self.budget.record(iter_seconds, stats["nfe_rollout"], stats["seconds"].get("rollout", 0.0))
+        if self.dist.any(self.signals.requested is not None):  # every rank stops at the same iteration
+            self.stopped = self.signals.requested or "signal"
+            return False
+        return True
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def result(self, iteration: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"iterations": iteration, "train_seconds": time.time() - self.t_start}
+        if self.stopped_by_budget:
+            out["stopped_by_budget"] = True
+        if self.stopped:
+            out["stopped"] = self.stopped
+        return out
+
+
+Pair = tuple[int, int]  # (row b, rollout step j)
+
+
+class DistPadding:
+    """Micro-batches of one optimizer step, padded for FSDP (dist.fsdp).
+
+    Under FSDP every forward/backward of the sharded network is a collective, so every rank must run as many
+    micro-batch passes as the busiest rank (`Dist.micro_batches`: the max over ranks). A rank that is out of pairs
+    runs a zero-weight pass on a placeholder pair (row 0, the first trained step): it joins the others' collectives
+    and adds exactly 0 to the gradient. Without FSDP nothing is padded. No state: nothing outlives the update.
+    """
+
+    def __init__(self, dist: Any, micro_batch: int):
+        self.dist, self.micro_batch = dist, micro_batch
+
+    def chunks(self, pairs: list[Pair], step_mask: torch.Tensor) -> Iterator[tuple[list[Pair], bool]]:
+        """(micro-batch of pairs, is_padding) for this rank's `pairs`; a padding pass's loss must be scaled by 0."""
+        mb = self.micro_batch
+        for s in range(0, self.dist.micro_batches(len(pairs), mb) * mb, mb):
+            chunk = pairs[s : s + mb]
+            if chunk:
+                yield chunk, False
+            else:
+                yield [(0, int(step_mask.nonzero()[0]))], True
+
+    @staticmethod
+    def backward_padding(loss: torch.Tensor) -> None:
+        """The zero-weight backward of a padding pass (joins the collectives, contributes nothing)."""
+        (loss * 0.0).backward()

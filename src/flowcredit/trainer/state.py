@@ -49,7 +49,41 @@ class CheckpointMixin:
     budget: TimeBudget
     guard_: HackingGuard | None
     out: Path
+    metrics_f: Any  # metrics.jsonl, open on rank 0 (None elsewhere)
+    loggers: list[Any]
     ema: list[torch.Tensor] | None  # the EMA weights in the order of `trainable` (a property of GRPOTrainer)
+
+    def open_run_folder(self) -> None:
+        """Make the run folder, write the resolved config, resume from the newest intact checkpoint, and open
+        metrics.jsonl and the loggers (rank 0). A folder whose checkpoints are all damaged stays as it is."""
+        import sys
+
+        from ..config.load import dump_yaml
+        from .loggers import build_loggers
+
+        ckpt = self.latest_checkpoint()  # before anything is written
+        if self.dist.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "checkpoints").mkdir(exist_ok=True)
+            (self.out / "grids").mkdir(exist_ok=True)
+            # the resolved config; a resumed run keeps its original config.yaml and records the new one beside it
+            exists = (self.out / "config.yaml").exists()
+            dump_yaml(self.cfg, self.out / ("config.resumed.yaml" if exists else "config.yaml"))
+        self.dist.barrier()
+        if ckpt is not None:
+            self.load_checkpoint(ckpt)
+            if self.dist.is_main:
+                print(f"resuming from {ckpt} (iteration {self.iteration})", file=sys.stderr, flush=True)
+        self.metrics_f, self.loggers = None, []  # rank 0 only: metrics.jsonl + run.loggers (trainer/loggers.py)
+        if self.dist.is_main:
+            # a resumed run redoes later iterations
+            for log_file in ("metrics.jsonl", "eval_curve.jsonl", "gold.jsonl"):
+                checkpoint.truncate_jsonl(self.out / log_file, self.iteration if ckpt is not None else -1)
+            self.metrics_f = open(self.out / "metrics.jsonl", "a")
+            try:  # default [tensorboard] is best effort: metrics.jsonl is the record of truth
+                self.loggers = build_loggers(self.cfg.run.loggers, self.out, dataclasses.asdict(self.cfg))
+            except ValueError as e:  # a named logger that is unknown or not installed: one line with the pip command
+                raise TrainingError(str(e)) from None
 
     def checkpoint_state(self) -> dict[str, Any]:
         return {
