@@ -349,6 +349,7 @@ class GRPOTrainer(CheckpointMixin):
             inner_epochs=oc.inner_epochs, updates_per_epoch=oc.updates_per_epoch,
             steps_per_sample=cfg.sampler.train_steps_per_sample,
             skip_zero_adv=obj.skip_zero_advantage(on_policy, oc.kl_beta),
+            step_groups=self._gathered(traj.group_ids).tolist() if getattr(obj, "shares_steps_in_group", 0) else None,
         )
         out: dict[str, Any] = {"pairs_trained": n_pairs, "_nfe": 0}
         if not n_pairs:
