@@ -86,3 +86,43 @@ def test_optimality_probability_range(adv):
     x0, x_t, t, v_old = _pair()
     _, st = nft_pair_loss(v_old, v_old, x_t, t, x0, torch.full((3,), adv), NFTOptions())
     assert torch.allclose(st["r"], torch.full((3,), min(1.0, max(0.0, adv / 10 + 0.5))))
+
+
+def test_adv_mode_maps_advantages_as_diffusionnft():
+    from flowcredit.objectives.nft import nft_optimality
+
+    adv = torch.tensor([-7.0, -2.5, 0.0, 2.5, 7.0])
+    m = 5.0
+    assert torch.allclose(nft_optimality(adv, m, "all"), torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0]))
+    assert torch.allclose(nft_optimality(adv, m, "positive_only"), torch.tensor([0.5, 0.5, 0.5, 0.75, 1.0]))
+    assert torch.allclose(nft_optimality(adv, m, "negative_only"), torch.tensor([0.0, 0.25, 0.5, 0.5, 0.5]))
+    assert torch.allclose(nft_optimality(adv, m, "binary"), torch.tensor([0.4, 0.4, 0.5, 0.6, 0.6]))
+    with pytest.raises(ValueError, match="adv_mode"):
+        nft_optimality(adv, m, "bogus")
+
+
+def test_crn_shares_noise_and_steps_within_a_group():
+    # common random numbers: members of a prompt group get the same ε at the same trained steps; groups differ
+    from types import SimpleNamespace
+
+    from flowcredit.objectives.forward import ForwardProcess
+    from flowcredit.trainer.distributed import Shard, plan_update
+
+    B, T, G = 6, 5, 3
+    gids = torch.arange(B) // G
+    traj = SimpleNamespace(latents=torch.zeros(B, T + 1, 1, 2, 2), num_steps=T, group_ids=gids)
+    ctx = SimpleNamespace(traj=traj, seed=0, iteration=1, on_policy=True)
+    fp = ForwardProcess("fresh", crn=True)
+    fp.prepare(ctx, [])
+    assert torch.equal(fp.eps[0], fp.eps[2]) and torch.equal(fp.eps[3], fp.eps[5])
+    assert not torch.equal(fp.eps[0], fp.eps[3])
+    plain = ForwardProcess("fresh")
+    plain.prepare(ctx, [])
+    assert not torch.equal(plain.eps[0], plain.eps[1])
+
+    kw = dict(seed=0, iteration=1, inner_epochs=1, updates_per_epoch=1, steps_per_sample=2, skip_zero_adv=False)
+    adv, mask = torch.ones(B, T), torch.ones(T, dtype=torch.bool)
+    _, plan = plan_update(adv, mask, Shard(B // G, G, 0, 1), step_groups=gids.tolist(), **kw)
+    steps = {b: sorted(j for bb, j in plan[0][0][0] if bb == b) for b in range(B)}
+    assert steps[0] == steps[1] == steps[2] and steps[3] == steps[4] == steps[5]
+    assert all(len(s) == 2 for s in steps.values())
