@@ -20,6 +20,7 @@ import yaml
 from flowcredit.cli.main import PRESET_DIR
 from flowcredit.config import ConfigError, check_ranges, describe, from_dict, load_config, load_yaml, range_text, to_dict
 from flowcredit.config.load import _walk_fields
+from flowcredit.config.registry import describe_registries
 from flowcredit.config.schema import TrainConfig
 from flowcredit.credit.base import CreditCfg
 
@@ -93,12 +94,17 @@ BAD_VALUES = [
     ("faults.reward_timeout=-1", "faults.reward_timeout = -1.0", "must be >= 0"),
     ("credit.eps=0", "credit.eps = 0.0", "must be > 0"),
     ("credit.adv_clip=0", "credit.adv_clip = 0.0", "must be > 0"),
-    ("credit.ema_decay=1.5", "credit.ema_decay = 1.5", "must be in [0, 1]"),
-    ("credit.gae_gamma=-0.1", "credit.gae_gamma = -0.1", "must be in [0, 1]"),
-    ("credit.gae_lambda=2", "credit.gae_lambda = 2.0", "must be in [0, 1]"),
-    ("credit.vgpo_gamma=1.1", "credit.vgpo_gamma = 1.1", "must be in [0, 1]"),
-    ("credit.adae_k=-1", "credit.adae_k = -1.0", "must be >= 0"),
-    ("credit.adae_steps=-2", "credit.adae_steps = -2", "must be >= -1"),
+]
+
+# A credit method's own options (credit.options), checked against its registered options dataclass.
+BAD_OPTIONS = [
+    ("tiny_stepwise", "credit.options.ema_decay=1.5", "credit.options.ema_decay = 1.5", "must be in [0, 1]"),
+    ("tiny_stepwise", "credit.options.gae_gamma=-0.1", "credit.options.gae_gamma = -0.1", "must be in [0, 1]"),
+    ("tiny_stepwise", "credit.options.gae_lambda=2", "credit.options.gae_lambda = 2.0", "must be in [0, 1]"),
+    ("tiny_vgpo", "credit.options.gamma=1.1", "credit.options.gamma = 1.1", "must be in [0, 1]"),
+    ("tiny_vgpo", "credit.options.adae_k=-1", "credit.options.adae_k = -1.0", "must be >= 0"),
+    ("tiny_vgpo", "credit.options.adae_steps=-2", "credit.options.adae_steps = -2", "must be >= -1"),
+    ("tiny_stepwise_adae", "credit.anchor_options.adae_k=-1", "credit.anchor_options.adae_k = -1.0", "must be >= 0"),
 ]
 
 
@@ -108,6 +114,11 @@ def test_bad_value_is_one_line_naming_key_value_source_and_range(override, shown
     assert msg == f"{shown} (override '{override}') {must}"
 
 
+@pytest.mark.parametrize("preset, override, shown, must", BAD_OPTIONS, ids=[b[1] for b in BAD_OPTIONS])
+def test_bad_registered_option_is_one_line_naming_key_value_source_and_range(preset, override, shown, must):
+    assert _error(preset, override) == f"{shown} (override '{override}') {must}"
+
+
 def test_table_covers_many_fields():
     assert len({b[0].split("=")[0] for b in BAD_VALUES}) >= 25
 
@@ -115,11 +126,15 @@ def test_table_covers_many_fields():
 @pytest.mark.parametrize(
     "override",
     ["sampler.noise_level=null", "data.batch_size=null", "credit.adv_clip=null", "model.resolution=null",
-     "credit.adae_steps=-1", "sampler.timestep_fraction=1", "optim.ema_decay=0", "optim.betas=[0, 0.5]",
+     "sampler.timestep_fraction=1", "optim.ema_decay=0", "optim.betas=[0, 0.5]",
      "run.iterations=0", "data.group_size=2", "optim.kl_beta=0"],
 )
 def test_values_on_the_boundary_or_null_are_accepted(override):
     _load("tiny_flow_grpo", override)
+
+
+def test_registered_option_on_its_boundary_is_accepted():
+    assert _load("tiny_vgpo", "credit.options.adae_steps=-1").credit.options == {"adae_steps": -1}
 
 
 def test_range_is_checked_before_cross_field_checks():
@@ -297,10 +312,12 @@ def test_help_config_shows_ranges_next_to_defaults():
         "optim.lr: float = 3.0e-05, range > 0",
         "sampler.timestep_fraction: float = 0.99, range (0, 1]",
         "optim.ema_decay: float = 0.0, range [0, 1)",
-        "credit.vgpo_gamma: float = 0.9, range [0, 1]",
         "sampler.noise_level: float | null = null, range >= 0",
     ):
         assert expected in lines
+    registered = describe_registries().splitlines()  # --help-config: generated from the registries
+    assert "    credit.options.gamma: float = 0.9, range [0, 1]" in registered
+    assert "    credit.options.std_scope: 'global' | 'group' = global" in registered
     assert any(line.startswith("run.device: str = cpu") and "range" not in line for line in lines)
 
 

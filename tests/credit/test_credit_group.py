@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flowcredit.credit import CreditCfg, CreditInput, assign_credit
-from flowcredit.credit.group import flow_grpo_advantages, group_relative_rewards, reward_stats
+from flowcredit.credit.group import FlowGRPOOptions, flow_grpo_advantages, group_relative_rewards, reward_stats
 
 EPS = 1e-4
 
@@ -66,7 +66,7 @@ def test_broadcast_identical_across_steps():
     rewards = torch.tensor([1.0, 2.0, 4.0, 0.0, 3.0])
     group_ids = torch.tensor([0, 0, 0, 1, 1])
     inp = CreditInput(rewards=rewards, group_ids=group_ids, step_mask=torch.ones(4, dtype=torch.bool))
-    adv = flow_grpo_advantages(inp, CreditCfg()).advantages
+    adv = flow_grpo_advantages(inp, FlowGRPOOptions(), CreditCfg()).advantages
     assert adv.shape == (5, 4)
     assert torch.equal(adv, adv[:, :1].expand(-1, 4))
 
@@ -79,10 +79,10 @@ def test_clip_applied():
     rewards[-1] = 1.0
     group_ids = torch.zeros(31, dtype=torch.long)
     inp = CreditInput(rewards=rewards, group_ids=group_ids, step_mask=torch.ones(2, dtype=torch.bool))
-    raw = flow_grpo_advantages(inp, CreditCfg(std_scope="group")).advantages
+    raw = flow_grpo_advantages(inp, FlowGRPOOptions(std_scope="group"), CreditCfg()).advantages
     assert raw.max() > 5.4
-    out = assign_credit(CreditCfg(std_scope="group"), inp)
+    out = assign_credit(CreditCfg(options={"std_scope": "group"}), inp)
     assert out.advantages.max() == 5.0 and out.advantages.min() >= -5.0
     assert out.stats["adv_clip_frac"] == pytest.approx(1 / 31)
-    unclipped = assign_credit(CreditCfg(std_scope="group", adv_clip=None), inp)
+    unclipped = assign_credit(CreditCfg(options={"std_scope": "group"}, adv_clip=None), inp)
     torch.testing.assert_close(unclipped.advantages, raw)

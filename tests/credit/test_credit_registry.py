@@ -14,7 +14,8 @@ from flowcredit.credit import (
     needs_step_rewards,
     resolve,
 )
-from flowcredit.credit.vgpo import adae_step_mask, discounted_value, timestep_weights
+from flowcredit.credit.stepwise import StepwiseOptions
+from flowcredit.credit.vgpo import VGPOOptions, adae_step_mask, discounted_value, timestep_weights
 
 B, T = 8, 5  # 2 groups × 4, 5 steps
 
@@ -52,16 +53,16 @@ def test_contract_every_registered_name(name):
 @pytest.mark.parametrize(
     "overrides",
     [
-        {"name": "flow_grpo", "std_scope": "group"},
+        {"name": "flow_grpo", "options": {"std_scope": "group"}},
         {"name": "flow_grpo", "anchor": "adae"},
-        {"name": "stepwise", "stepwise_norm": "per_step"},
-        {"name": "stepwise", "stepwise_norm": "global"},
-        {"name": "stepwise", "stepwise_baseline": "ema"},
-        {"name": "stepwise", "use_gae": True},
+        {"name": "stepwise", "options": {"norm": "per_step"}},
+        {"name": "stepwise", "options": {"norm": "global"}},
+        {"name": "stepwise", "options": {"baseline": "ema"}},
+        {"name": "stepwise", "options": {"use_gae": True}},
         {"name": "stepwise", "anchor": "adae"},
         {"name": "stepwise", "mask_stats": False},
-        {"name": "vgpo", "adae_norm": "one_plus_k", "adae_steps": -1},
-        {"name": "vgpo", "vgpo_weights": False},
+        {"name": "vgpo", "options": {"adae_norm": "one_plus_k", "adae_steps": -1}},
+        {"name": "vgpo", "options": {"weights": False}},
         {"name": "flowcredit.credit.stepwise:stepwise_advantages"},
     ],
 )
@@ -74,8 +75,8 @@ def test_unknown_name_lists_valid_names_and_suggests():
         resolve("stepwize")
     message = str(err.value)
     assert all(name in message for name in names())
-    assert "Did you mean 'stepwise'?" in message
-    with pytest.raises(ValueError, match="Valid names"):
+    assert "did you mean 'stepwise'?" in message
+    with pytest.raises(ValueError, match="not a registered credit method; use one of flow_grpo"):
         assign_credit(CreditCfg(name="grpo_flow"), random_input())
 
 
@@ -97,9 +98,10 @@ def test_needs_intermediate_rewards():
 @pytest.mark.parametrize("weights", [False, True])
 def test_stepwise_plus_adae_differs_only_by_anchor(weights):
     inp = random_input()
-    common = {"name": "stepwise", "adv_clip": None, "adae_k": 0.1, "adae_steps": 2, "vgpo_weights": weights}
+    common = {"name": "stepwise", "adv_clip": None}
     plain = assign_credit(CreditCfg(**common), inp).advantages
-    composed_out = assign_credit(CreditCfg(**common, anchor="adae"), inp)
+    anchor_options = {"adae_k": 0.1, "adae_steps": 2, "weights": weights}
+    composed_out = assign_credit(CreditCfg(**common, anchor="adae", anchor_options=anchor_options), inp)
     composed = composed_out.advantages
     # Q and ω from the (shifted) instant rewards, anchor k·Q on steps 0, 1 only; masked step 4 stays 0
     inst = inp.instant_rewards - inp.instant_rewards.min()
@@ -117,12 +119,18 @@ def test_stepwise_plus_adae_differs_only_by_anchor(weights):
 def test_config_validation_and_help():
     for f in dataclasses.fields(CreditCfg):
         assert f.metadata.get("help"), f"CreditCfg.{f.name} has no help string"
-    with pytest.raises(ValueError, match="stepwise_norm"):
-        CreditCfg(stepwise_norm="joined")
+    with pytest.raises(ValueError, match="credit.options.norm = 'joined' must be one of"):
+        StepwiseOptions(norm="joined")
+    with pytest.raises(ValueError, match="'credit.options.norm' must be one of"):  # checked when credit is assigned
+        assign_credit(CreditCfg(name="stepwise", options={"norm": "joined"}), random_input())
+    with pytest.raises(ValueError, match="unknown key 'credit.options.std_scope'.*credit method 'stepwise'"):
+        assign_credit(CreditCfg(name="stepwise", options={"std_scope": "group"}), random_input())
     with pytest.raises(ValueError, match="already applies the ADAE anchor"):
         CreditCfg(name="vgpo", anchor="adae")
-    with pytest.raises(ValueError, match="vgpo_gamma"):
-        CreditCfg(vgpo_gamma=1.5)
+    with pytest.raises(ValueError, match=r"credit.options.gamma = 1.5 must be in \[0, 1\]"):
+        VGPOOptions(gamma=1.5)
+    with pytest.raises(ValueError, match="credit.adv_clip = 0"):
+        CreditCfg(adv_clip=0.0)
     late = CreditCfg(anchor="adae")
     late.name = "vgpo"  # set after construction (as a method preset does): assign_credit re-validates
     with pytest.raises(ValueError, match="already applies the ADAE anchor"):

@@ -8,6 +8,7 @@ import torch
 from flowcredit.credit import CreditCfg, CreditInput, assign_credit
 from flowcredit.credit.stepwise import (
     EMA_STATE_KEY,
+    StepwiseOptions,
     ema_baseline_update,
     gae_over_gains,
     normalize_gains,
@@ -61,7 +62,7 @@ def test_joint_normalization_hand_example():
     got = normalize_gains(GAINS, torch.tensor([0, 0]), scope="joint", eps=EPS)
     torch.testing.assert_close(got, expected)
     # the estimator (default cfg: joint) gives the same numbers
-    out = stepwise_advantages(make_input(RHO, torch.tensor([0, 0])), CreditCfg(name="stepwise"))
+    out = stepwise_advantages(make_input(RHO, torch.tensor([0, 0])), StepwiseOptions(), CreditCfg(name="stepwise"))
     torch.testing.assert_close(out.advantages, expected)
 
 
@@ -141,7 +142,7 @@ def test_ema_baseline_update():
 
 
 def test_stepwise_ema_variant_and_state_roundtrip():
-    cfg = CreditCfg(name="stepwise", stepwise_baseline="ema", ema_decay=0.9, adv_clip=None)
+    cfg = CreditCfg(name="stepwise", options={"baseline": "ema", "ema_decay": 0.9}, adv_clip=None)
     inp = make_input(RHO, torch.tensor([0, 0]))
     std = math.sqrt(8 / 3) + EPS  # the joint std of the hand example (unchanged by the baseline)
     # iteration 1: no baseline yet -> b = batch mean of the gains per step = [1.5, -1, 2.5]
@@ -158,7 +159,7 @@ def test_stepwise_ema_variant_and_state_roundtrip():
 
 
 def test_stats():
-    out = stepwise_advantages(make_input(RHO, torch.tensor([0, 0])), CreditCfg(name="stepwise"))
+    out = stepwise_advantages(make_input(RHO, torch.tensor([0, 0])), StepwiseOptions(), CreditCfg(name="stepwise"))
     assert out.stats["gain_abs_mean_per_step"] == pytest.approx([1.5, 1.0, 2.5])  # mean |g| per step
     assert out.stats["rho_nonmonotone_frac"] == 0.5  # traj 0 only rises, traj 1 rises and falls
     assert out.stats["gain_telescope_err"] < 1e-6

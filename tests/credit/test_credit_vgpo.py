@@ -5,6 +5,7 @@ import torch
 
 from flowcredit.credit import CreditCfg, CreditInput, assign_credit
 from flowcredit.credit.vgpo import (
+    VGPOOptions,
     adae_anchor,
     discounted_value,
     group_step_zscore,
@@ -55,7 +56,7 @@ def test_omega_of_an_all_zero_trajectory_zero_or_uniform():
     torch.testing.assert_close(uniform[0], torch.ones(3))
     torch.testing.assert_close(zero[1], uniform[1])  # other trajectories: Q / mean Q = [1.5, 1, 0.5] either way
     torch.testing.assert_close(zero[1], torch.tensor([1.5, 1.0, 0.5]))
-    with pytest.raises(ValueError, match="vgpo_weights_degenerate: unknown value 'x'"):
+    with pytest.raises(ValueError, match="weights_degenerate: unknown value 'x'"):
         timestep_weights(q, EPS, "x")
 
 
@@ -64,7 +65,7 @@ def test_uniform_omega_keeps_the_negative_advantage_of_a_failing_sample():
     inst = torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
     inp = make_input(inst, torch.tensor([0, 0]))
     zero = assign_credit(CreditCfg(name="vgpo"), inp).advantages
-    uniform = assign_credit(CreditCfg(name="vgpo", vgpo_weights_degenerate="uniform"), inp).advantages
+    uniform = assign_credit(CreditCfg(name="vgpo", options={"weights_degenerate": "uniform"}), inp).advantages
     assert (zero[0] == 0).all()  # the A14 guard: no signal from the failure
     assert (uniform[0] < 0).all()  # uniform ω: the failing sample is pushed away from
     torch.testing.assert_close(zero[1], uniform[1])
@@ -83,8 +84,8 @@ def test_all_equal_group_flow_grpo_zero_adae_absolute():
     flow = assign_credit(CreditCfg(name="flow_grpo"), inp).advantages
     assert torch.equal(flow[:3], torch.zeros(3, 4))  # Flow-GRPO: no spread, no signal
 
-    cfg = CreditCfg(name="vgpo", adae_k=0.1, adae_steps=2, vgpo_gamma=0.9)
-    adv = vgpo_advantages(inp, cfg).advantages
+    opts, cfg = VGPOOptions(adae_k=0.1, adae_steps=2, gamma=0.9), CreditCfg(name="vgpo")
+    adv = vgpo_advantages(inp, opts, cfg).advantages
     q = discounted_value(inst, 0.9)
     omega = timestep_weights(q, cfg.eps)
     expected = omega * 0.1 * q  # the absolute term ω·k·Q ...
@@ -93,7 +94,7 @@ def test_all_equal_group_flow_grpo_zero_adae_absolute():
     assert (adv[:3, :2] != 0).all()
     torch.testing.assert_close(adv[:3], expected[:3])
     assert torch.equal(adv[:3, 2:], torch.zeros(3, 2))
-    assert vgpo_advantages(make_input(inst[:3], group_ids[:3]), cfg).stats["abs_share"] == 1.0
+    assert vgpo_advantages(make_input(inst[:3], group_ids[:3]), opts, cfg).stats["abs_share"] == 1.0
 
 
 def test_diverse_group_tends_to_omega_z_as_k_to_zero():
@@ -104,10 +105,10 @@ def test_diverse_group_tends_to_omega_z_as_k_to_zero():
     assert (omega_z[3:] != 0).any()
     errors = []
     for k in (1e-1, 1e-2, 1e-3, 1e-5):
-        adv = vgpo_advantages(inp, CreditCfg(name="vgpo", adae_k=k, adae_steps=-1)).advantages
+        adv = vgpo_advantages(inp, VGPOOptions(adae_k=k, adae_steps=-1), CreditCfg(name="vgpo")).advantages
         errors.append(float((adv[3:] - omega_z[3:]).abs().max()))
     assert errors == sorted(errors, reverse=True) and errors[-1] < 1e-4
-    exact = vgpo_advantages(inp, CreditCfg(name="vgpo", adae_k=0.0)).advantages
+    exact = vgpo_advantages(inp, VGPOOptions(adae_k=0.0), CreditCfg(name="vgpo")).advantages
     torch.testing.assert_close(exact, omega_z)
 
 
@@ -124,25 +125,25 @@ def test_non_positive_rewards_give_finite_non_negative_omega():
     inst = -2.0 * torch.rand(6, 5, generator=gen)  # all in [-2, 0]
     inst[0] = -2.0  # a trajectory sitting at the minimum: Q = 0 after the shift, ω must be 0, not 0/0
     inp = make_input(inst, torch.tensor([0, 0, 0, 1, 1, 1]))
-    cfg = CreditCfg(name="vgpo")
-    q, omega, stats = tcrm(inp, cfg)
+    opts, cfg = VGPOOptions(), CreditCfg(name="vgpo")
+    q, omega, stats = tcrm(inp, opts, cfg.eps)
     assert torch.isfinite(omega).all() and (omega >= 0).all() and (q >= 0).all()
     assert torch.equal(omega[0], torch.zeros(5))
     assert stats["reward_shift"] == pytest.approx(-2.0)
-    assert torch.isfinite(vgpo_advantages(inp, cfg).advantages).all()
+    assert torch.isfinite(vgpo_advantages(inp, opts, cfg).advantages).all()
     shifted, shift = shift_nonnegative(inst, "min")
     assert shift == pytest.approx(-2.0) and float(shifted.min()) == 0.0
     with pytest.raises(ValueError, match="non-negative"):
-        vgpo_advantages(inp, CreditCfg(name="vgpo", reward_shift="none"))
+        vgpo_advantages(inp, VGPOOptions(reward_shift="none"), CreditCfg(name="vgpo"))
 
 
 def test_one_plus_k_variant():
     inst, group_ids = constant_and_diverse_batch()
     inp = make_input(inst, group_ids)
     k, steps = 0.5, 2
-    cfg = CreditCfg(name="vgpo", adae_k=k, adae_steps=steps, adae_norm="one_plus_k")
-    adv = vgpo_advantages(inp, cfg).advantages
-    q = discounted_value(inst, cfg.vgpo_gamma)
+    opts = VGPOOptions(adae_k=k, adae_steps=steps, adae_norm="one_plus_k")
+    adv = vgpo_advantages(inp, opts, CreditCfg(name="vgpo")).advantages
+    q = discounted_value(inst, opts.gamma)
     omega = timestep_weights(q, EPS)
     z = group_step_zscore(q, group_ids, EPS)
     expected = omega * z  # after the first K steps: α = 0, plain ω·z
@@ -156,15 +157,15 @@ def test_adae_anchor_is_a_pure_composition():
     relative = torch.randn(3, 4, generator=torch.Generator().manual_seed(5))
     q = torch.rand(3, 4, generator=torch.Generator().manual_seed(6))
     ones = torch.ones(3, 4)
-    cfg = CreditCfg(adae_k=0.2, adae_steps=-1)
-    torch.testing.assert_close(adae_anchor(relative, q, ones, cfg), relative + 0.2 * q)
-    torch.testing.assert_close(adae_anchor(relative, q, 2 * ones, CreditCfg(adae_k=0.0)), 2 * relative)
+    opts = VGPOOptions(adae_k=0.2, adae_steps=-1)
+    torch.testing.assert_close(adae_anchor(relative, q, ones, opts), relative + 0.2 * q)
+    torch.testing.assert_close(adae_anchor(relative, q, 2 * ones, VGPOOptions(adae_k=0.0)), 2 * relative)
 
 
 def test_falls_back_to_step_rewards():
     inst, group_ids = constant_and_diverse_batch()
     rho = torch.cat([torch.zeros(6, 1), inst], dim=1)  # ρ_{j+1} = I_j
-    with_inst = vgpo_advantages(make_input(inst, group_ids), CreditCfg(name="vgpo")).advantages
+    with_inst = vgpo_advantages(make_input(inst, group_ids), VGPOOptions(), CreditCfg(name="vgpo")).advantages
     from_rho = CreditInput(rewards=inst[:, -1].clone(), group_ids=group_ids, step_mask=torch.ones(4, dtype=torch.bool),
                            step_rewards=rho)
-    torch.testing.assert_close(vgpo_advantages(from_rho, CreditCfg(name="vgpo")).advantages, with_inst)
+    torch.testing.assert_close(vgpo_advantages(from_rho, VGPOOptions(), CreditCfg(name="vgpo")).advantages, with_inst)

@@ -59,14 +59,11 @@ def cmd_train(ns) -> int:
     from ..trainer.faults import RunStopped
     from ..trainer.grpo import GRPOTrainer, TrainingError
 
-    if ns.help_config:
-        from ..credit.registry import names as credit_names
-        from ..objectives.base import describe_objectives
+    if ns.help_config:  # the schema, then every registry's implementations and their options (generated)
+        from ..config.registry import describe_registries
 
         print(describe(TrainConfig))
-        choices = ", ".join(credit_names())
-        print(f"\ncredit.name choices (flowcredit.credit.registry): {choices}, or 'package.module:function'")
-        print(describe_objectives())
+        print(describe_registries())
         return 0
     cfg = None
     try:

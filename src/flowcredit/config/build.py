@@ -10,6 +10,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import yaml
+
 from .annotations import (
     _default,
     _describe_value,
@@ -61,6 +63,7 @@ class _Builder:
 
     def __init__(self, sources: SourceMap):
         self.sources = sources
+        self.labels: dict[str, str] = {}  # dotted path of a section → what it is, for "valid keys in ..." messages
 
     def error(self, path: str, message: Callable[[str, str], str]) -> ConfigError:
         """ConfigError for the value at `path`; `message(key, at)` gets the key and " at <source>" (or "")."""
@@ -221,13 +224,52 @@ class _Builder:
             )
         return data
 
+    def moved_key(self, path: str, key: str, new: str | tuple[str, ...], value: Any) -> ConfigError:
+        """An old key (class attribute ``MOVED_KEYS = {old: new or (new, ...)}``, keys relative to the section):
+        one line naming the new key(s) and how to write the value there."""
+        targets = [_join(path, n) for n in ((new,) if isinstance(new, str) else new)]
+        shown = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+        fix = " or ".join(f"{t}={shown}" for t in targets)
+        return self.error(_join(path, key), lambda k, at: (
+            f"'{k}'{at} is an old key: it is now {' or '.join(targets)} (options belong to the implementation that "
+            f"reads them; flowcredit train --help-config lists them); write {fix}"
+        ))
+
+    def check_options(self, registry_key: str, name_field: str, options_field: str, fields: dict, kwargs: dict,
+                      path: str) -> None:
+        """A `{name, options}` section: the name must be registered and the options must build the named
+        implementation's options dataclass (config/registry.py). Skipped while the registry's package is not
+        imported (the component checks its options when it is built)."""
+        from .registry import REGISTRIES
+
+        reg = REGISTRIES.get(registry_key)
+        if reg is None:
+            return
+        name = kwargs[name_field] if name_field in kwargs else _default(fields[name_field])
+        spec = reg.get(name)
+        if spec is None:
+            if reg.allow_paths and ":" in str(name):
+                return  # a 'package.module:function' plugin: resolved (and its options checked) when built
+            what, choices = reg.what, reg.choices(name)
+            raise self.error(
+                _join(path, name_field), lambda key, at: f"'{key}'{at} is {name!r}, not a registered {what}; {choices}"
+            )
+        sub = _join(path, options_field)
+        self.labels[sub] = f"the options of {reg.what} {name!r}"
+        self.build(spec.options, kwargs.get(options_field) or {}, sub)
+
     def build(self, cls: type[T], data: Mapping, path: str) -> T:
         """Build dataclass `cls` from mapping `data` found at dotted `path`."""
         hints = _type_hints(cls)
         fields = {f.name: f for f in _init_fields(cls)}
         section = f"'{path}'" if path else "the top level"
+        if path in self.labels:
+            section += f" ({self.labels[path]})"
 
+        moved: Mapping[str, str | tuple[str, ...]] = getattr(cls, "MOVED_KEYS", {})
         for key in data:
+            if key not in fields and key in moved:
+                raise self.moved_key(path, str(key), moved[key], data[key])
             if key not in fields:
                 close = difflib.get_close_matches(str(key), list(fields), n=1)
                 hint = f"did you mean '{close[0]}'? " if close else ""
@@ -258,6 +300,10 @@ class _Builder:
                     source=source,
                 )
 
+        for name, f in fields.items():
+            if "options_of" in f.metadata:
+                self.check_options(f.metadata["options_of"], f.metadata.get("name_field", "name"), name, fields,
+                                   kwargs, path)
         try:
             return cls(**kwargs)
         except ValueError as e:  # a cross-field check in __post_init__ (ConfigError included)
@@ -296,3 +342,17 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, *, source: SourceMap
         got = _describe_value(data)
         raise builder.error("", lambda key, at: f"the config{at} must be a mapping of keys, got {got}")
     return builder.build(cls, data, "")
+
+
+def build_options(cls: type[T], data: Mapping[str, Any] | None, path: str, *, source: str | None = None,
+                  label: str | None = None) -> T:
+    """An options dataclass found at dotted `path` (e.g. "credit.options"), built as strictly as `from_dict` builds a
+    config; every message names ``path.KEY`` (and `source` when given; `label` says whose options they are)."""
+    builder = _Builder({"": source} if source else {})
+    if label:
+        builder.labels[path] = label
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise builder.wrong_type(path, data, cls)
+    return builder.build(cls, data, path)

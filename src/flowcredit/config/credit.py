@@ -1,23 +1,62 @@
-"""Options of the credit (advantage) layer: `credit.*` in a config; defaults from the ALGORITHMS.md decisions table.
+"""The `credit:` section: which credit (advantage) method, its own options, and what every method shares.
 
-The schema is owned by `config` (which imports no component); `flowcredit.credit.base` re-exports `CreditCfg`, and
-every estimator receives it as its second argument, ``fn(inp: CreditInput, cfg: CreditCfg) -> CreditOutput``.
+    credit:
+      name: stepwise                # follows `method` unless method=custom (a contradiction is an error)
+      options: {norm: per_step}     # the method's own options dataclass (flowcredit/credit/registry.py)
+      eps: 1.0e-4                   # shared by every estimator ...
+      adv_clip: 5.0
+      mask_stats: true
+      anchor: adae                  # ... and the ADAE anchor, composable on any estimator
+      anchor_options: {adae_k: 0.1} # its options (VGPO's TCRM + ADAE options)
+
+Design: what one estimator reads is declared by that estimator, next to its function, as an options dataclass
+(`FlowGRPOOptions` in credit/group.py, `StepwiseOptions` in credit/stepwise.py, `VGPOOptions` in credit/vgpo.py) and
+registered with it; the loader checks `credit.options` against the dataclass of `credit.name`. What the registry's
+`assign_credit` applies around every estimator (the ε of every std, the final clip, which steps the statistics see,
+the anchor) stays a common field here. The schema is owned by `config` (which imports no component);
+`flowcredit.credit.base` re-exports `CreditCfg`. Every estimator is ``fn(inp: CreditInput, opts, cfg: CreditCfg)``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, ClassVar
+
+from .ranges import check_ranges
+from .registry import options_field
 
 
 @dataclass
 class CreditCfg:
-    """Every knob of the credit layer; defaults from the ALGORITHMS.md decisions table."""
+    """The credit section: the estimator, its options and the knobs shared by every estimator."""
+
+    # The flat keys of the old single CreditCfg and where they live now (config/build.py: one-line error naming them).
+    MOVED_KEYS: ClassVar[dict[str, str | tuple[str, ...]]] = {
+        "std_scope": "options.std_scope",
+        "stepwise_norm": "options.norm",
+        "stepwise_baseline": "options.baseline",
+        "ema_decay": "options.ema_decay",
+        "use_gae": "options.use_gae",
+        "gae_gamma": "options.gae_gamma",
+        "gae_lambda": "options.gae_lambda",
+        "vgpo_gamma": ("options.gamma", "anchor_options.gamma"),
+        "vgpo_weights": ("options.weights", "anchor_options.weights"),
+        "vgpo_weights_degenerate": ("options.weights_degenerate", "anchor_options.weights_degenerate"),
+        "reward_shift": ("options.reward_shift", "anchor_options.reward_shift"),
+        "adae_k": ("options.adae_k", "anchor_options.adae_k"),
+        "adae_steps": ("options.adae_steps", "anchor_options.adae_steps"),
+        "adae_norm": ("options.adae_norm", "anchor_options.adae_norm"),
+    }
 
     name: str = field(
         default="flow_grpo",
-        metadata={"help": "Estimator: a name of flowcredit.credit.registry.CREDIT ('flow_grpo', 'stepwise', 'vgpo') "
-                  "or a 'package.module:function' path to a function (inp, cfg) -> CreditOutput."},
+        metadata={"help": "Credit method (registry flowcredit.credit.registry: flow_grpo, stepwise, vgpo; see "
+                  "--help-config) or a 'package.module:function' path to a function (inp, opts, cfg) -> "
+                  "CreditOutput."},
+    )
+    options: dict[str, Any] = options_field(
+        "credit", "Options of the chosen credit method, checked against its own options dataclass (listed by "
+        "--help-config), e.g. {std_scope: group} for flow_grpo, {norm: per_step} for stepwise."
     )
     eps: float = field(
         default=1e-4,
@@ -33,145 +72,40 @@ class CreditCfg:
     mask_stats: bool = field(
         default=True,
         metadata={
-            "help": "Compute normalization statistics (stepwise mean/std over steps) only over the steps kept by "
-            "step_mask, i.e. the advantages the loss actually sees."
+            "help": "Compute normalization statistics (stepwise mean/std over steps, the anchor's abs_share) only "
+            "over the steps kept by step_mask, i.e. the advantages the loss actually sees."
         },
     )
-    # --- Flow-GRPO (ALGORITHMS.md §3.2) ---
-    std_scope: Literal["global", "group"] = field(
-        default="global",
-        metadata={
-            "help": "flow_grpo std: 'global' = population std of all rewards in the batch (Flow-GRPO global_std=True, "
-            "the released configs); 'group' = per-prompt std. The mean is always per prompt."
-        },
-    )
-    # --- Stepwise-Flow-GRPO (§4.2–4.6) ---
-    stepwise_norm: Literal["joint", "per_step", "global"] = field(
-        default="joint",
-        metadata={
-            "help": "Stepwise gain normalization: 'joint' = per-group mean/std over the group's N·T gains (paper Eq. "
-            "5); 'per_step' = per-group mean/std at each step over N trajectories (ablation, Fig. 9); 'global' = "
-            "per-group joint mean, batch-wide std of all gains (A5)."
-        },
-    )
-    stepwise_baseline: Literal["none", "ema"] = field(
+    anchor: str = field(
         default="none",
         metadata={
-            "help": "'ema' replaces the group mean by a per-step EMA baseline b_j kept across iterations (§4.6 "
-            "variant, lost to the plain gain in the paper); the std is unchanged."
+            "help": "Compose an absolute anchor on top of the (relative) estimator: 'adae' = Â = ω·(A_rel + "
+            "k·Q·1[j<K]) with Q, ω from the instant rewards (or step_rewards[:, 1:]); 'none'. 'vgpo' already "
+            "includes it."
         },
     )
-    ema_decay: float = field(
-        default=0.9,
-        metadata={"help": "EMA baseline decay λ: b_j ← λ·b_j + (1−λ)·mean_batch g_j (§4.6).", "ge": 0, "le": 1},
-    )
-    use_gae: bool = field(
-        default=False,
-        metadata={
-            "help": "Replace each gain by GAE over the gain sequence, A_j = Σ_{l≥0} (γλ)^l g_{j+l} (value ≡ 0, §4.6 "
-            "variant), before normalization."
-        },
-    )
-    gae_gamma: float = field(
-        default=1.0, metadata={"help": "GAE discount γ over later denoising steps (use_gae).", "ge": 0, "le": 1}
-    )
-    gae_lambda: float = field(
-        default=0.95,
-        metadata={"help": "GAE λ (use_gae); γ = λ = 1 gives the reward-to-go ρ_T − ρ_j.", "ge": 0, "le": 1},
-    )
-    # --- VGPO: TCRM + ADAE (§5.2–5.5) ---
-    vgpo_gamma: float = field(
-        default=0.9,
-        metadata={
-            "help": "TCRM discount γ of the reward-to-go Q_j = Σ_{m≥j} γ^{m−j} I_m (§5.3, A11; γ unknown, 0.9–1.0 "
-            "suggested).",
-            "ge": 0,
-            "le": 1,
-        },
-    )
-    vgpo_weights: bool = field(
-        default=True,
-        metadata={"help": "TCRM timestep weights ω_j = Q_j / mean_t Q_t per trajectory (§5.4, Eq. 11); off ⇒ ω = 1."},
-    )
-    vgpo_weights_degenerate: Literal["zero", "uniform"] = field(
-        default="zero",
-        metadata={
-            "help": "ω of a trajectory whose Q is all 0 (none of its x̂0 estimates scored; common under a binary "
-            "reward): 'zero' = the A14 guard, no advantage at all for it; 'uniform' = ω 1, it keeps its relative "
-            "(e.g. negative) advantage."
-        },
-    )
-    reward_shift: Literal["min", "none"] = field(
-        default="min",
-        metadata={
-            "help": "Make instant rewards non-negative before Q and ω (A14): 'min' subtracts the batch minimum when "
-            "any instant reward is negative; 'none' requires rewards ≥ 0 (error otherwise, when ω is on)."
-        },
-    )
-    adae_k: float = field(
-        default=0.1,
-        metadata={
-            "help": "ADAE absolute-anchor weight k in Â = ω·(z + k·Q) (§5.5, A13; tuned, Q is O(T·R)); 0 switches the "
-            "anchor off.",
-            "ge": 0,
-        },
-    )
-    adae_steps: int = field(
-        default=5,
-        metadata={
-            "help": "The absolute anchor k·Q acts only on the first K sampling steps j < K (VGPO App. A.2: first 5 "
-            "steps); -1 = all steps.",
-            "ge": -1,
-        },
-    )
-    adae_norm: Literal["plus", "one_plus_k"] = field(
-        default="plus",
-        metadata={
-            "help": "ADAE form where the anchor acts: 'plus' = ω·(z + k·Q); 'one_plus_k' = ω·(z + k·Q)/(1+k), i.e. (Q "
-            "− μ + αQ)/(σ + α) with α = kσ (§5.5 alternative)."
-        },
-    )
-    anchor: Literal["none", "adae"] = field(
-        default="none",
-        metadata={
-            "help": "Compose the ADAE absolute anchor on top of another (relative) estimator: Â = ω·(A_rel + "
-            "k·Q·1[j<K]), with Q, ω from the instant rewards (or step_rewards[:, 1:]). 'vgpo' already includes it."
-        },
+    anchor_options: dict[str, Any] = options_field(
+        "credit_anchor", "Options of the anchor (adae: VGPO's TCRM + ADAE options, e.g. {adae_k: 0.1}).",
+        name_field="anchor",
     )
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        """Check choices and ranges (also called by ``assign_credit``, since fields may be set after construction).
+        """Cross-field checks (also called by ``assign_credit``, since fields may be set after construction).
 
         Raises:
-            ValueError: naming the field, the value and what is allowed.
+            ValueError: naming the fields and what to do.
         """
-        choices = {
-            "std_scope": ("global", "group"),
-            "stepwise_norm": ("joint", "per_step", "global"),
-            "stepwise_baseline": ("none", "ema"),
-            "reward_shift": ("min", "none"),
-            "adae_norm": ("plus", "one_plus_k"),
-            "anchor": ("none", "adae"),
-        }
-        for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"CreditCfg.{key}={getattr(self, key)!r} is not one of {allowed}.")
-        if not self.eps > 0:
-            raise ValueError(f"CreditCfg.eps must be > 0 (it guards divisions by a std); got {self.eps}.")
-        if self.adv_clip is not None and not self.adv_clip > 0:
-            raise ValueError(f"CreditCfg.adv_clip must be > 0 or None (no clipping); got {self.adv_clip}.")
-        for key in ("ema_decay", "gae_gamma", "gae_lambda", "vgpo_gamma"):
-            if not 0.0 <= getattr(self, key) <= 1.0:
-                raise ValueError(f"CreditCfg.{key} must lie in [0, 1]; got {getattr(self, key)}.")
-        if self.adae_k < 0:
-            raise ValueError(f"CreditCfg.adae_k must be ≥ 0 (0 switches the anchor off); got {self.adae_k}.")
-        if self.adae_steps < -1:
-            raise ValueError(f"CreditCfg.adae_steps must be ≥ 0, or -1 for all steps; got {self.adae_steps}.")
-        if self.name == "vgpo" and self.anchor == "adae":
+        check_ranges(self, "credit")
+        if self.name == "vgpo" and self.anchor != "none":
             raise ValueError(
-                "CreditCfg: name='vgpo' already applies the ADAE anchor; set anchor='none' (and adae_k=0 for TCRM "
-                "without the anchor)."
+                "credit.name=vgpo already applies the ADAE anchor; set credit.anchor=none (and "
+                "credit.options.adae_k=0 for TCRM without the anchor)"
+            )
+        if self.anchor == "none" and self.anchor_options:
+            raise ValueError(
+                f"credit.anchor_options={self.anchor_options} are set but credit.anchor=none; set credit.anchor=adae "
+                "or remove them"
             )

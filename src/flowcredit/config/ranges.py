@@ -1,12 +1,14 @@
-"""Numeric ranges declared in field metadata (`ge`, `gt`, `le`, `lt`) and their check."""
+"""Numeric ranges declared in field metadata (`ge`, `gt`, `le`, `lt`) and their check; `check_values` adds the
+`Literal` choices, for options objects built in code."""
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
-from .annotations import _init_fields
+from .annotations import _init_fields, _is_union, _type_hints
 from .keys import ConfigError, _item, _join
 
 
@@ -92,3 +94,32 @@ def check_ranges(obj: Any, path: str = "") -> None:
         for k, v in value.items() if isinstance(value, Mapping) else ():
             check_ranges(v, _join(sub, k))
         check_ranges(value, sub)
+
+
+def _choices(tp: Any) -> tuple | None:
+    """The allowed values of a `Literal[...]` annotation (also inside Optional), else None."""
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    if _is_union(tp):
+        lits = [a for a in typing.get_args(tp) if typing.get_origin(a) is Literal]
+        if lits:
+            return tuple(v for a in lits for v in typing.get_args(a)) + ((None,) if type(None) in typing.get_args(tp)
+                                                                         else ())
+    return None
+
+
+def check_values(obj: Any, path: str = "") -> None:
+    """`check_ranges` plus the `Literal` choices of every field of a dataclass built in code (e.g. the options
+    dataclass of a credit method: ``StepwiseOptions(norm="joined")``); a loaded config was checked already.
+
+    Raises:
+        ConfigError: ``key = value must be one of ...`` or ``... must be in ...``, naming the dotted key.
+    """
+    hints = _type_hints(type(obj))
+    for f in _init_fields(type(obj)):
+        allowed = _choices(hints[f.name])
+        value = getattr(obj, f.name)
+        if allowed is not None and value not in allowed:
+            key = _join(path, f.name)
+            raise ConfigError(f"{key} = {value!r} must be one of {', '.join(map(repr, allowed))}", key=key)
+    check_ranges(obj, path)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .credit import CreditCfg
+from .registry import options_field
 
 
 def _h(default, text: str, *, ge=None, gt=None, le=None, lt=None, **kw):
@@ -203,12 +204,9 @@ class ObjectiveCfg:
         "Training objective (registry `flowcredit.objectives`): grpo = PPO-clip on SDE log-probs (Flow-GRPO), nft = "
         "DiffusionNFT's forward-process loss, awm = advantage-weighted flow matching.",
     )
-    options: dict[str, Any] = field(
-        default_factory=dict,
-        metadata={
-            "help": "Options of the chosen objective, checked against its own options dataclass (see "
-            "docs/ALGORITHMS.md §9)."
-        },
+    options: dict[str, Any] = options_field(
+        "objective", "Options of the chosen objective, checked against its own options dataclass (listed by "
+        "--help-config; docs/ALGORITHMS.md §9)."
     )
 
 
@@ -367,7 +365,7 @@ class TrainConfig:
         default="flow_grpo",
         metadata={
             "help": "Method label; it sets credit.name (a different explicit credit.name is an error); custom = "
-            "compose credit.* by hand.",
+            "choose credit.name (and its credit.options) by hand.",
             "sets": "credit.name",  # config/load.py: the default of credit.name, a contradiction is an error
             "unless": ("custom",),
         },
@@ -381,7 +379,8 @@ class TrainConfig:
     data: DataCfg = field(default_factory=DataCfg, metadata={"help": "Training prompts and group layout."})
     reward: RewardCfg = field(default_factory=RewardCfg, metadata={"help": "The reward (or weighted mix of rewards)."})
     credit: CreditCfg = field(
-        default_factory=CreditCfg, metadata={"help": "Credit assignment: the advantage estimator and its knobs."}
+        default_factory=CreditCfg,
+        metadata={"help": "Credit assignment: the advantage estimator {name, options} and the knobs they share."},
     )
     objective: ObjectiveCfg = field(
         default_factory=ObjectiveCfg, metadata={"help": "The loss the advantages train: grpo, nft or awm."}

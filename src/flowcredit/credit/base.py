@@ -1,6 +1,7 @@
 """Records, config and group helpers shared by every credit (advantage) estimator.
 
-Every estimator has ONE signature, ``fn(inp: CreditInput, cfg: CreditCfg) -> CreditOutput``, so the trainer never
+Every estimator has ONE signature, ``fn(inp: CreditInput, opts, cfg: CreditCfg) -> CreditOutput`` (``opts``: its own
+options dataclass, built from ``credit.options``; ``cfg``: the knobs every estimator shares), so the trainer never
 special-cases a method (STYLE.md R4/R5). The estimators are pure functions; the only cross-iteration state (the
 Stepwise EMA baseline) travels explicitly in ``CreditInput.state`` / ``CreditOutput.state``.
 
@@ -19,7 +20,7 @@ never ``0/ε`` noise and never NaN (see ``group_moments``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -80,12 +81,12 @@ class CreditOutput:
 class CreditFn(Protocol):
     """The estimator protocol: every entry of ``registry.CREDIT`` has this signature.
 
-    An estimator may declare the optional inputs it reads with a ``requires`` attribute, a tuple of
-    ``CreditInput`` field names (e.g. ``("step_rewards",)``); ``registry.needs_step_rewards`` reads it for
-    dotted-path plugins.
+    What it requires besides the terminal rewards (``"step_rewards"``, ``"instant_rewards"``) and its options
+    dataclass are declared when it is registered (``registry.register_credit``); a dotted-path plugin may carry them
+    as ``requires`` / ``options`` attributes.
     """
 
-    def __call__(self, inp: CreditInput, cfg: CreditCfg) -> CreditOutput: ...
+    def __call__(self, inp: CreditInput, opts: Any, cfg: CreditCfg) -> CreditOutput: ...
 
 
 # ---------------------------------------------------------------------------------------------------------------

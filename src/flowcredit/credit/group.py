@@ -10,8 +10,12 @@ Notation: B batch, P groups, T steps (see ``flowcredit.credit.base``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Literal
+
 from torch import Tensor
 
+from flowcredit.config.ranges import check_values
 from flowcredit.credit.base import (
     CreditCfg,
     CreditInput,
@@ -22,6 +26,22 @@ from flowcredit.credit.base import (
     group_moments,
     safe_zscore,
 )
+
+
+@dataclass
+class FlowGRPOOptions:
+    """`credit.options` of flow_grpo (ALGORITHMS.md §3.2)."""
+
+    std_scope: Literal["global", "group"] = field(
+        default="global",
+        metadata={
+            "help": "The std of the advantage: 'global' = population std of all rewards in the batch (Flow-GRPO "
+            "global_std=True, the released configs); 'group' = per-prompt std. The mean is always per prompt."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        check_values(self, "credit.options")
 
 
 def group_relative_rewards(
@@ -76,20 +96,19 @@ def reward_stats(rewards: Tensor, group_ids: Tensor) -> Stats:
     }
 
 
-def flow_grpo_advantages(inp: CreditInput, cfg: CreditCfg) -> CreditOutput:
+def flow_grpo_advantages(inp: CreditInput, opts: FlowGRPOOptions, cfg: CreditCfg) -> CreditOutput:
     """Flow-GRPO estimator (§3.1–3.2): one group-relative advantage per trajectory, the same at every step.
 
     Args:
         inp: uses ``rewards`` (B,), ``group_ids`` (B,), ``step_mask`` (T,) (for T only).
-        cfg: uses ``std_scope``, ``eps``.
+        opts: uses ``std_scope``.
+        cfg: uses ``eps``.
 
     Returns:
         CreditOutput with advantages (B, T) (every column equal; clipping and masking are done by
         ``registry.assign_credit``) and ``reward_stats``.
     """
-    adv = group_relative_rewards(inp.rewards, inp.group_ids, std_scope=cfg.std_scope, eps=cfg.eps)  # (B,)
+    adv = group_relative_rewards(inp.rewards, inp.group_ids, std_scope=opts.std_scope, eps=cfg.eps)  # (B,)
     advantages = adv[:, None].expand(-1, inp.num_steps).clone()  # (B, T)
     return CreditOutput(advantages=advantages, stats=reward_stats(inp.rewards, inp.group_ids))
 
-
-flow_grpo_advantages.requires = ()  # type: ignore[attr-defined]

@@ -1,90 +1,110 @@
-"""Registry of credit estimators and the one entry point the trainer calls, ``assign_credit``.
+"""Registry of credit methods and the one entry point the trainer calls, ``assign_credit``.
 
-Reading ``CREDIT`` tells you every built-in estimator (STYLE.md R4): a literal dict from name to
-``"module:function"``; modules are imported only when resolved. A ``"package.module:function"`` path is accepted
-as the plugin escape hatch. Every estimator has the signature ``(CreditInput, CreditCfg) -> CreditOutput``.
+Reading the registrations below tells you every built-in method: name → estimator function + its own options
+dataclass (``credit.options``) + what it requires the trainer to compute. Adding a method is one file with a function
+and its options dataclass plus one ``register_credit`` line (README "Extending flowcredit"). A
+``"package.module:function"`` name is accepted as the plugin escape hatch (its options: the function's ``options``
+attribute, a dataclass, if any; its requirements: its ``requires`` attribute).
+
+Every estimator has the signature ``fn(inp: CreditInput, opts: <its options>, cfg: CreditCfg) -> CreditOutput``; the
+shared knobs (eps, adv_clip, mask_stats, the anchor) are in ``CreditCfg`` (config/credit.py).
 
 Notation: B batch, T steps (see ``flowcredit.credit.base``).
 """
 
 from __future__ import annotations
 
-import difflib
 import importlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from flowcredit.config.registry import NoOptions, Registry, Spec
 from flowcredit.credit.base import CreditCfg, CreditInput, CreditOutput
+from flowcredit.credit.group import FlowGRPOOptions, flow_grpo_advantages
+from flowcredit.credit.stepwise import StepwiseOptions, stepwise_advantages
+from flowcredit.credit.vgpo import VGPOOptions, apply_adae_anchor, vgpo_advantages
 
-CREDIT: dict[str, str] = {
-    "flow_grpo": "flowcredit.credit.group:flow_grpo_advantages",  # §3.2 group-relative terminal reward
-    "stepwise": "flowcredit.credit.stepwise:stepwise_advantages",  # §4 normalized per-step reward gains
-    "vgpo": "flowcredit.credit.vgpo:vgpo_advantages",  # §5 TCRM value + ADAE absolute anchor
-}
+CREDIT = Registry("credit", "credit method", allow_paths=True)
+ANCHORS = Registry("credit_anchor", "credit anchor", name_key="credit.anchor", options_key="credit.anchor_options")
 
-
-# estimators registered at run time (`register_credit`): a plugin or a test adds one without touching this file
-_REGISTERED: dict[str, Callable[[CreditInput, CreditCfg], CreditOutput]] = {}
+#: what an estimator may require the trainer to compute (besides the terminal rewards)
+REQUIREMENTS = ("step_rewards", "instant_rewards")
 
 
 def register_credit(
-    name: str, fn: Callable[[CreditInput, CreditCfg], CreditOutput], requires: tuple[str, ...] = ()
-) -> None:
-    """Register estimator `fn` under `name` (then `credit.name=NAME`, with `method=custom`).
+    name: str, fn: Callable[..., CreditOutput], options: type = NoOptions, requires: tuple[str, ...] = (),
+    help: str = "",
+) -> Spec:
+    """Register estimator `fn` under `name` (then ``credit.name=NAME``, with ``method=custom``).
 
     Args:
-        name: the config name; must not shadow a built-in.
-        fn: (CreditInput, CreditCfg) -> CreditOutput with advantages (B, T).
-        requires: what the trainer must compute for it: "step_rewards" (ρ_j of x̂0 estimates, (B, T+1)) and/or
-            "instant_rewards" (I_j, (B, T)); stored as `fn.requires`.
+        name: the config name; must not be taken.
+        fn: ``(inp: CreditInput, opts, cfg: CreditCfg) -> CreditOutput`` with advantages (B, T).
+        options: its options dataclass (``credit.options``; every field with a default, a help text and, for
+            numbers, a range in its metadata).
+        requires: what the trainer must compute for it: "step_rewards" (ρ_j of the x̂0 estimates of every state,
+            (B, T+1)) and/or "instant_rewards" (I_j, (B, T)).
+        help: one sentence for ``flowcredit train --help-config``.
     """
-    if name in CREDIT:
-        raise ValueError(f"credit estimator {name!r} is built in; register under another name")
-    if requires:
-        fn.requires = tuple(requires)  # type: ignore[attr-defined]
-    _REGISTERED[name] = fn
+    bad = [r for r in requires if r not in REQUIREMENTS]
+    if bad:
+        raise ValueError(f"credit method {name!r}: unknown requirement(s) {bad}; use {REQUIREMENTS}")
+    return CREDIT.register(name, fn, options, requires=tuple(requires), help=help)
+
+
+register_credit("flow_grpo", flow_grpo_advantages, FlowGRPOOptions,
+                help="§3.2 group-relative terminal reward (Flow-GRPO), the same advantage at every step")
+register_credit("stepwise", stepwise_advantages, StepwiseOptions, requires=("step_rewards",),
+                help="§4 normalized per-step reward gains of the x̂0 estimates (Stepwise-Flow-GRPO)")
+register_credit("vgpo", vgpo_advantages, VGPOOptions, requires=("instant_rewards",),
+                help="§5 TCRM value + ADAE absolute anchor (VGPO)")
+ANCHORS.register("none", None, help="no anchor: the estimator's advantages as they are")
+ANCHORS.register("adae", apply_adae_anchor, VGPOOptions, requires=("instant_rewards",),
+                 help="§5.5 VGPO's ADAE absolute anchor k·Q (with TCRM's ω) on top of any estimator")
 
 
 def names() -> list[str]:
-    """The registered estimator names."""
-    return list(CREDIT) + list(_REGISTERED)
+    """The registered credit method names."""
+    return CREDIT.names()
 
 
-def resolve(name: str) -> Callable[[CreditInput, CreditCfg], CreditOutput]:
-    """Return the estimator function for a registered name or a ``"package.module:function"`` path.
+def spec_of(name: str) -> Spec:
+    """The Spec of a registered name or of a ``"package.module:function"`` path.
 
     Raises:
         ValueError: unknown name (the message lists the valid names and suggests the closest), or a malformed path.
         ImportError / AttributeError: the module or function of a path does not exist.
     """
-    if name in _REGISTERED:
-        return _REGISTERED[name]
-    if name in CREDIT:
-        target = CREDIT[name]
-    elif ":" in name:
-        target = name
-    else:
-        close = difflib.get_close_matches(name, names(), n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(
-            f"Unknown credit estimator {name!r}. Valid names: {', '.join(names())}; or give a "
-            f"'package.module:function' path.{hint}"
-        )
-    module_name, _, func_name = target.partition(":")
+    if name in CREDIT or ":" not in name:
+        return CREDIT.spec(name)
+    module_name, _, func_name = name.partition(":")
     if not module_name or not func_name:
-        raise ValueError(f"Credit estimator path {target!r} must look like 'package.module:function'.")
+        raise ValueError(f"credit.name={name!r}: a plugin path must look like 'package.module:function'.")
     module = importlib.import_module(module_name)
     try:
-        return getattr(module, func_name)
+        fn = getattr(module, func_name)
     except AttributeError as err:
-        raise AttributeError(
-            f"Module {module_name!r} has no credit estimator {func_name!r} (from {target!r})."
-        ) from err
+        raise AttributeError(f"Module {module_name!r} has no credit estimator {func_name!r} (from {name!r}).") from err
+    known = CREDIT.spec_of_fn(fn)
+    if known is not None:  # a path to a registered estimator: its registered options and requirements
+        return known
+    return Spec(name, fn, getattr(fn, "options", NoOptions), tuple(getattr(fn, "requires", ())))
+
+
+def resolve(name: str) -> Callable[..., CreditOutput]:
+    """The estimator function of a registered name or a ``"package.module:function"`` path (see `spec_of`)."""
+    return spec_of(name).fn
+
+
+def credit_options(cfg: CreditCfg) -> Any:
+    """The options dataclass of ``cfg.name`` built from ``cfg.options`` (ConfigError naming credit.options.KEY)."""
+    return CREDIT.options(spec_of(cfg.name), cfg.options)
 
 
 def _requires(cfg: CreditCfg) -> tuple[str, ...]:
-    return tuple(getattr(resolve(cfg.name), "requires", ()))
+    return spec_of(cfg.name).requires + ANCHORS.spec(cfg.anchor).requires
 
 
 def needs_step_rewards(cfg: CreditCfg) -> bool:
@@ -93,13 +113,13 @@ def needs_step_rewards(cfg: CreditCfg) -> bool:
 
 
 def needs_instant_rewards(cfg: CreditCfg) -> bool:
-    """Whether the estimator or the ADAE anchor reads the instant rewards I_j (B, T) (§5.2).
+    """Whether the estimator or the anchor reads the instant rewards I_j (B, T) (§5.2).
 
     The trainer may satisfy it either with ``CreditInput.instant_rewards`` (one-step Tweedie of x^(j+1), VGPO's
     definition) or, when ``needs_step_rewards`` already makes it compute ρ, by leaving ``instant_rewards`` None:
     ρ_{j+1} is then used (identical for T′ = 1).
     """
-    return "instant_rewards" in _requires(cfg) or cfg.anchor == "adae"
+    return "instant_rewards" in _requires(cfg)
 
 
 def _check_input(cfg: CreditCfg, inp: CreditInput) -> None:
@@ -136,10 +156,12 @@ def _check_input(cfg: CreditCfg, inp: CreditInput) -> None:
 
 
 def assign_credit(cfg: CreditCfg, inp: CreditInput) -> CreditOutput:
-    """Run the configured estimator, then the optional ADAE anchor, the final clip, and the step mask.
+    """Run the configured estimator, then the optional anchor, the final clip, and the step mask.
 
-    1. ``resolve(cfg.name)(inp, cfg)`` → relative advantages (B, T);
-    2. if ``cfg.anchor == "adae"``: Â = ω·(A + k·Q·1[j<K]) (``vgpo.apply_adae_anchor``, §5.5);
+    1. ``fn(inp, opts, cfg)`` of ``cfg.name`` with its options built from ``cfg.options`` → relative advantages
+       (B, T);
+    2. if ``cfg.anchor == "adae"``: Â = ω·(A + k·Q·1[j<K]) (``vgpo.apply_adae_anchor``, §5.5, options from
+       ``cfg.anchor_options``);
     3. clip to ±``cfg.adv_clip`` (Flow-GRPO ``adv_clip_max``, §3.2);
     4. steps with ``step_mask`` False get exactly 0.
 
@@ -153,8 +175,12 @@ def assign_credit(cfg: CreditCfg, inp: CreditInput) -> CreditOutput:
         state.
     """
     cfg.validate()
+    spec = spec_of(cfg.name)
+    opts = CREDIT.options(spec, cfg.options)
+    anchor = ANCHORS.spec(cfg.anchor)
+    anchor_opts = ANCHORS.options(anchor, cfg.anchor_options)
     _check_input(cfg, inp)
-    out = resolve(cfg.name)(inp, cfg)
+    out = spec.fn(inp, opts, cfg)
     adv = out.advantages
     shape = (inp.batch_size, inp.num_steps)
     if tuple(adv.shape) != shape:
@@ -163,10 +189,8 @@ def assign_credit(cfg: CreditCfg, inp: CreditInput) -> CreditOutput:
             f"{shape}."
         )
     stats = dict(out.stats)
-    if cfg.anchor == "adae":
-        from flowcredit.credit.vgpo import apply_adae_anchor  # local: vgpo is only needed for the anchor
-
-        adv, anchor_stats = apply_adae_anchor(adv, inp, cfg)
+    if anchor.fn is not None:
+        adv, anchor_stats = anchor.fn(adv, inp, anchor_opts, cfg)
         stats.update(anchor_stats)
     keep = inp.step_mask.to(device=adv.device, dtype=torch.bool)[None, :].expand_as(adv)
     kept = adv[keep]

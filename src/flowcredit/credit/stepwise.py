@@ -15,9 +15,13 @@ Notation: B batch, P groups, T steps, ρ (B, T+1) step rewards (see ``flowcredit
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Literal
+
 import torch
 from torch import Tensor
 
+from flowcredit.config.ranges import check_values
 from flowcredit.credit.base import (
     CreditCfg,
     CreditInput,
@@ -31,6 +35,48 @@ from flowcredit.credit.base import (
 from flowcredit.credit.group import reward_stats
 
 EMA_STATE_KEY = "stepwise_ema_baseline"
+
+
+@dataclass
+class StepwiseOptions:
+    """`credit.options` of stepwise (ALGORITHMS.md §4.2–4.6)."""
+
+    norm: Literal["joint", "per_step", "global"] = field(
+        default="joint",
+        metadata={
+            "help": "Gain normalization: 'joint' = per-group mean/std over the group's N·T gains (paper Eq. 5); "
+            "'per_step' = per-group mean/std at each step over N trajectories (ablation, Fig. 9); 'global' = "
+            "per-group joint mean, batch-wide std of all gains (A5)."
+        },
+    )
+    baseline: Literal["none", "ema"] = field(
+        default="none",
+        metadata={
+            "help": "'ema' replaces the group mean by a per-step EMA baseline b_j kept across iterations (§4.6 "
+            "variant, lost to the plain gain in the paper); the std is unchanged."
+        },
+    )
+    ema_decay: float = field(
+        default=0.9,
+        metadata={"help": "EMA baseline decay λ: b_j ← λ·b_j + (1−λ)·mean_batch g_j (§4.6).", "ge": 0, "le": 1},
+    )
+    use_gae: bool = field(
+        default=False,
+        metadata={
+            "help": "Replace each gain by GAE over the gain sequence, A_j = Σ_{l≥0} (γλ)^l g_{j+l} (value ≡ 0, §4.6 "
+            "variant), before normalization."
+        },
+    )
+    gae_gamma: float = field(
+        default=1.0, metadata={"help": "GAE discount γ over later denoising steps (use_gae).", "ge": 0, "le": 1}
+    )
+    gae_lambda: float = field(
+        default=0.95,
+        metadata={"help": "GAE λ (use_gae); γ = λ = 1 gives the reward-to-go ρ_T − ρ_j.", "ge": 0, "le": 1},
+    )
+
+    def __post_init__(self) -> None:
+        check_values(self, "credit.options")
 
 
 def stepwise_gains(step_rewards: Tensor) -> Tensor:
@@ -153,11 +199,11 @@ def gain_stats(step_rewards: Tensor, group_ids: Tensor) -> dict[str, float | lis
     }
 
 
-def stepwise_advantages(inp: CreditInput, cfg: CreditCfg) -> CreditOutput:
+def stepwise_advantages(inp: CreditInput, opts: StepwiseOptions, cfg: CreditCfg) -> CreditOutput:
     """Stepwise-Flow-GRPO estimator (§4.2–4.6): normalized per-step gains.
 
-    Pipeline: g = ρ_{j+1} − ρ_j → (GAE over gains if ``cfg.use_gae``) → (EMA baseline if
-    ``cfg.stepwise_baseline == "ema"``) → ``normalize_gains`` with ``cfg.stepwise_norm``.
+    Pipeline: g = ρ_{j+1} − ρ_j → (GAE over gains if ``opts.use_gae``) → (EMA baseline if
+    ``opts.baseline == "ema"``) → ``normalize_gains`` with ``opts.norm``.
 
     EMA variant: the baseline used for this batch already includes this batch's per-step mean,
     b = λ·b_prev + (1−λ)·mean_batch g, so the first iteration (no b_prev) centres each step on its batch mean.
@@ -165,8 +211,8 @@ def stepwise_advantages(inp: CreditInput, cfg: CreditCfg) -> CreditOutput:
     Args:
         inp: uses ``step_rewards`` (B, T+1) (required), ``group_ids``, ``step_mask`` (statistics only, when
             ``cfg.mask_stats``), ``state[EMA_STATE_KEY]`` (EMA variant).
-        cfg: uses ``stepwise_norm``, ``stepwise_baseline``, ``ema_decay``, ``use_gae``, ``gae_gamma``,
-            ``gae_lambda``, ``eps``, ``mask_stats``.
+        opts: StepwiseOptions (``norm``, ``baseline``, ``ema_decay``, ``use_gae``, ``gae_gamma``, ``gae_lambda``).
+        cfg: uses ``eps``, ``mask_stats``.
 
     Returns:
         CreditOutput with advantages (B, T), gain and reward stats, and ``state`` holding the new EMA baseline
@@ -177,16 +223,16 @@ def stepwise_advantages(inp: CreditInput, cfg: CreditCfg) -> CreditOutput:
                          "estimates of every state x^(0) … x^(T) (ALGORITHMS.md §4.1).")
     rho = inp.step_rewards.to(compute_dtype(inp.step_rewards))
     signal = stepwise_gains(rho)  # (B, T)
-    if cfg.use_gae:
-        signal = gae_over_gains(signal, cfg.gae_gamma, cfg.gae_lambda)
+    if opts.use_gae:
+        signal = gae_over_gains(signal, opts.gae_gamma, opts.gae_lambda)
     stat_mask = inp.step_mask if cfg.mask_stats else None
     state = dict(inp.state)
     baseline = None
-    if cfg.stepwise_baseline == "ema":
-        baseline = ema_baseline_update(inp.state.get(EMA_STATE_KEY), signal.mean(0), cfg.ema_decay)  # (T,)
+    if opts.baseline == "ema":
+        baseline = ema_baseline_update(inp.state.get(EMA_STATE_KEY), signal.mean(0), opts.ema_decay)  # (T,)
         state[EMA_STATE_KEY] = baseline
     adv = normalize_gains(
-        signal, inp.group_ids, scope=cfg.stepwise_norm, eps=cfg.eps, step_mask=stat_mask, baseline=baseline
+        signal, inp.group_ids, scope=opts.norm, eps=cfg.eps, step_mask=stat_mask, baseline=baseline
     )
     stats: dict[str, float | list[float]] = {
         **reward_stats(inp.rewards, inp.group_ids),
@@ -196,5 +242,3 @@ def stepwise_advantages(inp: CreditInput, cfg: CreditCfg) -> CreditOutput:
         stats["ema_baseline_per_step"] = baseline.tolist()
     return CreditOutput(advantages=adv, stats=stats, state=state)
 
-
-stepwise_advantages.requires = ("step_rewards",)  # type: ignore[attr-defined]

@@ -7,6 +7,8 @@
     Â_j = ω_j · (z_j + k·Q_j·1[j < K])            ADAE, ``adae_norm="plus"``                      (§5.5, Eq. 13) [G]
     Â_j = ω_j · (z_j + k·Q_j·1[j < K]) / (1 + k·1[j < K])       ``adae_norm="one_plus_k"``
 
+Options: ``VGPOOptions`` (credit.options of vgpo; credit.anchor_options of the ADAE anchor on another estimator).
+
 Limit (VGPO App. B claim): when a group's Q at step j has no spread (σ_j → 0), z_j → 0 and Â_j → ω_j·k·Q_j (or
 ω_j·k·Q_j/(1+k)) on the anchored steps, instead of vanishing like Flow-GRPO's advantage.
 
@@ -19,9 +21,13 @@ Notation: B batch, P groups, T steps (see ``flowcredit.credit.base``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Literal
+
 import torch
 from torch import Tensor
 
+from flowcredit.config.ranges import check_values
 from flowcredit.credit.base import (
     CreditCfg,
     CreditInput,
@@ -33,6 +39,69 @@ from flowcredit.credit.base import (
     safe_zscore,
 )
 from flowcredit.credit.group import reward_stats
+
+TCRMOut = tuple[Tensor, Tensor, dict[str, "float | list[float]"]]  # Q (B, T), ω (B, T), stats
+
+
+@dataclass
+class VGPOOptions:
+    """`credit.options` of vgpo, and `credit.anchor_options` of the ADAE anchor on another estimator (§5.2–5.5):
+    TCRM (instant rewards → Q → ω) and ADAE (the absolute anchor k·Q on the first K steps)."""
+
+    gamma: float = field(
+        default=0.9,
+        metadata={
+            "help": "TCRM discount γ of the reward-to-go Q_j = Σ_{m≥j} γ^{m−j} I_m (§5.3, A11; γ unknown, 0.9–1.0 "
+            "suggested).",
+            "ge": 0,
+            "le": 1,
+        },
+    )
+    weights: bool = field(
+        default=True,
+        metadata={"help": "TCRM timestep weights ω_j = Q_j / mean_t Q_t per trajectory (§5.4, Eq. 11); off ⇒ ω = 1."},
+    )
+    weights_degenerate: Literal["zero", "uniform"] = field(
+        default="zero",
+        metadata={
+            "help": "ω of a trajectory whose Q is all 0 (none of its x̂0 estimates scored; common under a binary "
+            "reward): 'zero' = the A14 guard, no advantage at all for it; 'uniform' = ω 1, it keeps its relative "
+            "(e.g. negative) advantage."
+        },
+    )
+    reward_shift: Literal["min", "none"] = field(
+        default="min",
+        metadata={
+            "help": "Make instant rewards non-negative before Q and ω (A14): 'min' subtracts the batch minimum when "
+            "any instant reward is negative; 'none' requires rewards ≥ 0 (error otherwise, when ω is on)."
+        },
+    )
+    adae_k: float = field(
+        default=0.1,
+        metadata={
+            "help": "ADAE absolute-anchor weight k in Â = ω·(z + k·Q) (§5.5, A13; tuned, Q is O(T·R)); 0 switches the "
+            "anchor off.",
+            "ge": 0,
+        },
+    )
+    adae_steps: int = field(
+        default=5,
+        metadata={
+            "help": "The absolute anchor k·Q acts only on the first K sampling steps j < K (VGPO App. A.2: first 5 "
+            "steps); -1 = all steps.",
+            "ge": -1,
+        },
+    )
+    adae_norm: Literal["plus", "one_plus_k"] = field(
+        default="plus",
+        metadata={
+            "help": "ADAE form where the anchor acts: 'plus' = ω·(z + k·Q); 'one_plus_k' = ω·(z + k·Q)/(1+k), i.e. (Q "
+            "− μ + αQ)/(σ + α) with α = kσ (§5.5 alternative)."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        check_values(self, "credit.options")
 
 
 def instant_rewards_of(inp: CreditInput) -> Tensor:
@@ -108,7 +177,7 @@ def timestep_weights(value: Tensor, eps: float, degenerate: str = "zero") -> Ten
     if degenerate == "uniform":
         return torch.where(mean < eps, torch.ones_like(omega), omega)
     if degenerate != "zero":
-        raise ValueError(f"vgpo_weights_degenerate: unknown value '{degenerate}'; use 'zero' or 'uniform'")
+        raise ValueError(f"weights_degenerate: unknown value '{degenerate}'; use 'zero' or 'uniform'")
     return omega
 
 
@@ -135,7 +204,7 @@ def adae_step_mask(num_steps: int, adae_steps: int, device: torch.device | None 
     return torch.ones_like(steps, dtype=torch.bool) if adae_steps < 0 else steps < adae_steps
 
 
-def adae_anchor(relative: Tensor, value: Tensor, omega: Tensor, cfg: CreditCfg) -> Tensor:
+def adae_anchor(relative: Tensor, value: Tensor, omega: Tensor, opts: VGPOOptions) -> Tensor:
     """ADAE: add the absolute, value-anchored term to a relative advantage (§5.5, Eqs. 12–13 [G]).
 
         Â_j = ω_j · (A_rel,j + k·Q_j·1[j < K]) / d_j,   d_j = 1 (``plus``) or 1 + k·1[j < K] (``one_plus_k``)
@@ -149,26 +218,27 @@ def adae_anchor(relative: Tensor, value: Tensor, omega: Tensor, cfg: CreditCfg) 
         relative: (B, T) relative advantage A_rel.
         value: (B, T) Q (non-negative after ``shift_nonnegative``).
         omega: (B, T) ω (all ones when weights are off).
-        cfg: uses ``adae_k``, ``adae_steps``, ``adae_norm``.
+        opts: uses ``adae_k``, ``adae_steps``, ``adae_norm``.
 
     Returns:
         (B, T) anchored advantages.
     """
-    anchored = adae_step_mask(relative.shape[1], cfg.adae_steps, relative.device).to(relative.dtype)[None, :]  # (1, T)
-    absolute = cfg.adae_k * value * anchored
-    denom = 1.0 + cfg.adae_k * anchored if cfg.adae_norm == "one_plus_k" else torch.ones_like(anchored)
+    anchored = adae_step_mask(relative.shape[1], opts.adae_steps, relative.device).to(relative.dtype)[None, :]  # (1,T)
+    absolute = opts.adae_k * value * anchored
+    denom = 1.0 + opts.adae_k * anchored if opts.adae_norm == "one_plus_k" else torch.ones_like(anchored)
     return omega * (relative + absolute) / denom
 
 
-def tcrm(inp: CreditInput, cfg: CreditCfg) -> tuple[Tensor, Tensor, dict[str, float | list[float]]]:
+def tcrm(inp: CreditInput, opts: VGPOOptions, eps: float = 1e-4) -> TCRMOut:
     """TCRM (§5.2–5.4): instant rewards → non-negative shift → Q → ω.
 
     Args:
         inp: uses ``instant_rewards`` (or ``step_rewards[:, 1:]``), ``group_ids``.
-        cfg: uses ``reward_shift``, ``vgpo_gamma``, ``vgpo_weights``, ``eps``.
+        opts: uses ``reward_shift``, ``gamma``, ``weights``, ``weights_degenerate``.
+        eps: ε floor of mean_t Q (credit.eps).
 
     Returns:
-        Q (B, T), ω (B, T) (ones when ``cfg.vgpo_weights`` is False), and stats ``reward_shift``, ``q_mean``,
+        Q (B, T), ω (B, T) (ones when ``opts.weights`` is False), and stats ``reward_shift``, ``q_mean``,
         ``q_zero_std_frac`` (fraction of (group, step) cells whose Q has no spread), ``omega_per_step`` (list).
 
     Raises:
@@ -176,14 +246,14 @@ def tcrm(inp: CreditInput, cfg: CreditCfg) -> tuple[Tensor, Tensor, dict[str, fl
     """
     inst = instant_rewards_of(inp)
     inst = inst.to(compute_dtype(inst))
-    inst, shift = shift_nonnegative(inst, cfg.reward_shift)
-    if cfg.vgpo_weights and bool((inst < 0).any()):
+    inst, shift = shift_nonnegative(inst, opts.reward_shift)
+    if opts.weights and bool((inst < 0).any()):
         raise ValueError("VGPO timestep weights ω = Q / mean_t Q need non-negative instant rewards (A14); got a "
                          f"minimum of {float(inst.min()):.4g} with reward_shift='none'. Use reward_shift='min', shift "
-                         "the reward itself, or set vgpo_weights=False.")
-    value = discounted_value(inst, cfg.vgpo_gamma)  # (B, T)
-    if cfg.vgpo_weights:
-        omega = timestep_weights(value, cfg.eps, cfg.vgpo_weights_degenerate)
+                         "the reward itself, or set weights=False.")
+    value = discounted_value(inst, opts.gamma)  # (B, T)
+    if opts.weights:
+        omega = timestep_weights(value, eps, opts.weights_degenerate)
     else:
         omega = torch.ones_like(value)
     inverse, num_groups = group_index(inp.group_ids)
@@ -196,20 +266,20 @@ def tcrm(inp: CreditInput, cfg: CreditCfg) -> tuple[Tensor, Tensor, dict[str, fl
     return value, omega, stats
 
 
-def anchor_stats(relative: Tensor, value: Tensor, omega: Tensor, cfg: CreditCfg, step_mask: Tensor | None) -> float:
+def anchor_stats(relative: Tensor, value: Tensor, omega: Tensor, opts: VGPOOptions, step_mask: Tensor | None) -> float:
     """abs_share: Σ|absolute term| / (Σ|relative term| + Σ|absolute term|) of the ADAE output over trained steps.
 
     Args:
         relative, value, omega: (B, T) as in ``adae_anchor``.
-        cfg: as in ``adae_anchor``.
+        opts: as in ``adae_anchor``.
         step_mask: (T,) bool or None (all steps).
 
     Returns:
         Share in [0, 1] of the advantage mass coming from ω·k·Q (0 when both terms are 0).
     """
     zeros = torch.zeros_like(relative)
-    absolute = adae_anchor(zeros, value, omega, cfg).abs()
-    rel = adae_anchor(relative, zeros, omega, cfg).abs()
+    absolute = adae_anchor(zeros, value, omega, opts).abs()
+    rel = adae_anchor(relative, zeros, omega, opts).abs()
     if step_mask is not None:
         keep = step_mask.to(device=relative.device, dtype=relative.dtype)[None, :]
         absolute, rel = absolute * keep, rel * keep
@@ -218,48 +288,43 @@ def anchor_stats(relative: Tensor, value: Tensor, omega: Tensor, cfg: CreditCfg,
 
 
 def apply_adae_anchor(
-    relative: Tensor,
-    inp: CreditInput,
-    cfg: CreditCfg,
-    tcrm_out: tuple[Tensor, Tensor, dict[str, float | list[float]]] | None = None,
+    relative: Tensor, inp: CreditInput, opts: VGPOOptions, cfg: CreditCfg, tcrm_out: TCRMOut | None = None
 ) -> tuple[Tensor, dict[str, float | list[float]]]:
-    """Compose the ADAE anchor on top of any relative advantage, with Q and ω from TCRM (used by ``vgpo`` and by
-    ``registry.assign_credit`` when ``cfg.anchor == "adae"``).
+    """Compose the ADAE anchor on top of any relative advantage, with Q and ω from TCRM (used by ``vgpo`` and, as
+    the registered anchor ``adae``, by ``registry.assign_credit`` when ``credit.anchor=adae``).
 
     Args:
         relative: (B, T) relative advantage of some estimator.
         inp: CreditInput with instant rewards (or step rewards).
-        cfg: TCRM/ADAE knobs.
-        tcrm_out: the result of ``tcrm(inp, cfg)`` when already computed.
+        opts: TCRM/ADAE options.
+        cfg: uses ``eps``, ``mask_stats``.
+        tcrm_out: the result of ``tcrm(inp, opts, cfg.eps)`` when already computed.
 
     Returns:
         (B, T) anchored advantages and the TCRM stats plus ``abs_share``.
     """
-    value, omega, stats = tcrm(inp, cfg) if tcrm_out is None else tcrm_out
+    value, omega, stats = tcrm(inp, opts, cfg.eps) if tcrm_out is None else tcrm_out
     stats = dict(stats)
     relative = relative.to(value.dtype)
-    stats["abs_share"] = anchor_stats(relative, value, omega, cfg, inp.step_mask if cfg.mask_stats else None)
-    return adae_anchor(relative, value, omega, cfg), stats
+    stats["abs_share"] = anchor_stats(relative, value, omega, opts, inp.step_mask if cfg.mask_stats else None)
+    return adae_anchor(relative, value, omega, opts), stats
 
 
-def vgpo_advantages(inp: CreditInput, cfg: CreditCfg) -> CreditOutput:
+def vgpo_advantages(inp: CreditInput, opts: VGPOOptions, cfg: CreditCfg) -> CreditOutput:
     """VGPO estimator (§5): Â = ω·(z + k·Q·1[j < K]) with z the per-step group z-score of Q.
 
-    ``adae_k = 0`` gives TCRM alone (ω·z); ``vgpo_weights=False`` drops ω. See the module docstring for the
+    ``adae_k = 0`` gives TCRM alone (ω·z); ``weights=False`` drops ω. See the module docstring for the
     σ → 0 limit (Â → ω·k·Q on the anchored steps).
 
     Args:
         inp: uses ``instant_rewards`` (B, T) (or ``step_rewards[:, 1:]``), ``group_ids``, ``rewards`` (stats only).
-        cfg: uses ``vgpo_gamma``, ``vgpo_weights``, ``reward_shift``, ``adae_k``, ``adae_steps``, ``adae_norm``,
-            ``eps``.
+        opts: VGPOOptions (``gamma``, ``weights``, ``weights_degenerate``, ``reward_shift``, ``adae_*``).
+        cfg: uses ``eps``, ``mask_stats``.
 
     Returns:
         CreditOutput with advantages (B, T) and stats: reward stats, TCRM stats, ``abs_share``.
     """
-    tcrm_out = tcrm(inp, cfg)
+    tcrm_out = tcrm(inp, opts, cfg.eps)
     z = group_step_zscore(tcrm_out[0], inp.group_ids, cfg.eps)  # (B, T)
-    adv, stats = apply_adae_anchor(z, inp, cfg, tcrm_out)
+    adv, stats = apply_adae_anchor(z, inp, opts, cfg, tcrm_out)
     return CreditOutput(advantages=adv, stats={**reward_stats(inp.rewards, inp.group_ids), **stats})
-
-
-vgpo_advantages.requires = ("instant_rewards",)  # type: ignore[attr-defined]

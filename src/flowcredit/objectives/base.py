@@ -12,15 +12,15 @@ Objectives (ALGORITHMS.md §3, §9):
 - `nft` (objectives/nft.py): DiffusionNFT's implicit positive/negative velocities on the forward process.
 - `awm` (objectives/awm.py): Advantage Weighted Matching, PPO-clip with the flow-matching loss as log-likelihood.
 
-Adding an objective = one file with a class and its options dataclass + `register_objective(...)`; the config says
-`objective: {name: NAME, options: {...}}` and the options are checked against the dataclass (unknown keys rejected
-with a suggestion, ranges in the field metadata as elsewhere in the config).
+Adding an objective = one file with a class and its options dataclass + `register_objective(...)` (the registry
+`OBJECTIVES` is a `config.registry.Registry`, like credit methods, samplers and model families); the config says
+`objective: {name: NAME, options: {...}}` and the loader checks the options against the dataclass with the rules of
+every other key (unknown keys with a suggestion, types, choices, ranges; the key, file:line or override, the fix).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from ..config.ranges import check_ranges
+from ..config.registry import Registry, Spec
 from ..types import Trajectory
 
 
@@ -116,75 +116,29 @@ def first_steps(num_steps: int, timestep_fraction: float) -> Tensor:
     return torch.arange(num_steps) < int(num_steps * timestep_fraction)
 
 
-@dataclass
-class ObjectiveSpec:
-    """A registered objective: `build(options, train_cfg) -> Objective`, its options dataclass, a description."""
-
-    name: str
-    build: Callable[[Any, Any], Objective]
-    options: type
-    help: str
+OBJECTIVES = Registry("objective", "objective")  # name → build(options, train_cfg) + options dataclass
 
 
-OBJECTIVES: dict[str, ObjectiveSpec] = {}
-
-
-def register_objective(name: str, build: Callable[[Any, Any], Objective], options: type, help: str = "") -> None:
+def register_objective(name: str, build: Callable[[Any, Any], Objective], options: type, help: str = "",
+                       requires: tuple[str, ...] = ()) -> Spec:
     """Declare an objective once: `build(options_instance, train_cfg) -> Objective` (train_cfg: the run's
-    TrainConfig, e.g. for optim.clip_range); `options` a dataclass whose fields all have defaults."""
-    if not dataclasses.is_dataclass(options):
-        raise TypeError(f"objective {name!r}: options must be a dataclass, got {options!r}")
-    OBJECTIVES[name] = ObjectiveSpec(name, build, options, help)
+    TrainConfig, e.g. for optim.clip_range); `options` a dataclass whose fields all have defaults; `requires`:
+    ("log_probs",) when the loss reads the rollout's SDE log-probs."""
+    return OBJECTIVES.register(name, build, options, help=help, requires=tuple(requires))
 
 
-def objective_spec(name: str) -> ObjectiveSpec:
-    from . import awm, grpo, nft  # noqa: F401  (registration side effect of the built-in objectives)
-
-    if name not in OBJECTIVES:
-        close = difflib.get_close_matches(name, list(OBJECTIVES), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        known = ", ".join(sorted(OBJECTIVES))
-        raise ValueError(f"objective.name={name!r} is not a registered objective ({known}){hint}")
-    return OBJECTIVES[name]
+def objective_spec(name: str) -> Spec:
+    """The registered objective `name` (ValueError naming objective.name, the valid names and the closest)."""
+    return OBJECTIVES.spec(name)
 
 
-def objective_options(name: str, options: dict[str, Any]):
-    """The options dataclass of objective `name` filled from `options`; unknown keys and out-of-range values are a
-    one-line ValueError naming `objective.options.KEY`."""
-    spec = objective_spec(name)
-    fields = {f.name: f for f in dataclasses.fields(spec.options)}
-    for k, v in (options or {}).items():
-        if k not in fields:
-            close = difflib.get_close_matches(k, list(fields), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(fields)}"
-            raise ValueError(f"objective.options.{k} is not an option of objective {name!r}{hint}")
-        md = fields[k].metadata
-        if "choices" in md and v not in md["choices"]:
-            raise ValueError(f"objective.options.{k}={v!r} must be one of {', '.join(map(repr, md['choices']))}")
-    opts = spec.options(**(options or {}))
-    check_ranges(opts, "objective.options")  # the config's own range check (ge/gt/le/lt field metadata)
-    return opts
+def objective_options(name: str, options: dict[str, Any] | None):
+    """The options dataclass of objective `name` filled from `options`; an unknown key, a wrong type or choice and
+    an out-of-range value are a one-line ConfigError naming `objective.options.KEY` (config/build.py rules)."""
+    return OBJECTIVES.options(name, options)
 
 
 def build_objective(name: str, options: dict[str, Any], train_cfg: Any = None) -> Objective:
     """The objective `name` built from its (checked) options and the run's TrainConfig."""
-    return objective_spec(name).build(objective_options(name, options), train_cfg)
-
-
-def describe_objectives() -> str:
-    """`flowcredit train --help-config`: every registered objective and its options (type, default, range, help)."""
-    objective_spec("grpo")  # registers the built-in objectives
-    lines = ["objective.name choices (flowcredit.objectives registry) and their objective.options:"]
-    for name, spec in OBJECTIVES.items():
-        lines.append(f"  {name}: {spec.help}")
-        for f in dataclasses.fields(spec.options):
-            md = f.metadata
-            bounds = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
-            rng = ", ".join(f"{w} {md[k]}" for k, w in bounds if k in md)
-            choices = f", one of {', '.join(md['choices'])}" if "choices" in md else ""
-            ftype = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-            extra = f", range {rng}" if rng else ""
-            lines.append(f"    objective.options.{f.name}: {ftype} = {f.default!r}{extra}{choices}")
-            if md.get("help"):
-                lines.append(f"        {md['help']}")
-    return "\n".join(lines)
+    spec = objective_spec(name)
+    return spec.fn(OBJECTIVES.options(spec, options), train_cfg)

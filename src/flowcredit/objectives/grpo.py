@@ -132,4 +132,5 @@ class GRPOObjective:
 register_objective(
     "grpo", lambda o, cfg: GRPOObjective(o, clip_range=cfg.optim.clip_range if cfg is not None else 1e-4), GRPOOptions,
     "PPO-clip on the SDE step log-probs + Gaussian KL to π_ref (Flow-GRPO §3); needs an SDE rollout.",
+    requires=("log_probs",),
 )

@@ -1,0 +1,191 @@
+"""Registries: name → implementation + its own options dataclass + what it requires, declared once per component.
+
+A component package owns one registry and registers each built-in with one line::
+
+    CREDIT = Registry("credit", "credit method")                             # flowcredit/credit/registry.py
+    CREDIT.register("stepwise", stepwise_advantages, StepwiseOptions, requires=("step_rewards",), help="...")
+
+and the schema's `{name, options}` sections point at it from the field metadata of `options`
+(``options_of="credit"``). The loader (config/build.py) then checks the name against the registry and the options
+against the named implementation's dataclass with the rules and messages of every other key: unknown keys with a
+suggestion, types, `Literal` choices and declared ranges, each error naming the key (``credit.options.std_scope``),
+where it was set (file:line or the override) and the fix. `flowcredit train --help-config` lists every registered
+implementation with its options (`describe_registries`).
+
+The class lives in `config` so that config can check options while importing no component: components import
+config, never the reverse. A registry is known to the loader once its package has been imported (the trainer and the
+CLI import all of them); a config loaded before that is checked when the component is built (`Registry.options`: the
+same messages, without the source).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .annotations import _default, _has_default, _init_fields, _type_hints, _type_name
+from .build import build_options
+from .ranges import range_text
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of an implementation that has none (any key given is an error)."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One registered implementation.
+
+    Attributes:
+        name: the config name.
+        fn: the function / builder / class the component calls.
+        options: its options dataclass (every field has a default, a help text and, for numbers, a range).
+        requires: what the trainer must compute for it (credit: "step_rewards", "instant_rewards"; objective:
+            "log_probs").
+        help: one sentence for --help-config.
+        extra: registry-specific facts (e.g. a sampler's default noise level).
+    """
+
+    name: str
+    fn: Any
+    options: type = NoOptions
+    requires: tuple[str, ...] = ()
+    help: str = ""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+REGISTRIES: dict[str, Registry] = {}  # registry key → registry, filled as component packages are imported
+
+
+class Registry:
+    """name → Spec for one kind of component (credit methods, objectives, samplers, model families, ...).
+
+    Args:
+        key: the registry's name, used by the schema's ``options_of`` metadata ("credit", "sampler", ...).
+        what: what one entry is, for messages ("credit method").
+        name_key / options_key: the config keys of the name and the options (default ``<key>.name`` /
+            ``<key>.options``), for messages.
+        allow_paths: a ``"package.module:function"`` name is accepted besides the registered names (plugins).
+    """
+
+    def __init__(self, key: str, what: str, *, name_key: str | None = None, options_key: str | None = None,
+                 allow_paths: bool = False):
+        self.key, self.what, self.allow_paths = key, what, allow_paths
+        self.name_key = name_key or f"{key}.name"
+        self.options_key = options_key or f"{key}.options"
+        self._specs: dict[str, Spec] = {}
+        REGISTRIES[key] = self
+
+    # ------------------------------------------------------------------------------------------------ declaring
+    def register(self, name: str, fn: Any, options: type = NoOptions, *, requires: tuple[str, ...] = (),
+                 help: str = "", replace: bool = False, **extra: Any) -> Spec:
+        """Declare implementation `name`; `options` is a dataclass whose fields all have defaults.
+
+        Raises:
+            TypeError: `options` is not a dataclass, or a field has no default.
+            ValueError: `name` is taken (pass replace=True to override on purpose).
+        """
+        if not (dataclasses.is_dataclass(options) and isinstance(options, type)):
+            raise TypeError(f"{self.what} {name!r}: options must be a dataclass, got {options!r}")
+        missing = [f.name for f in _init_fields(options) if not _has_default(f)]
+        if missing:
+            raise TypeError(f"{self.what} {name!r}: every option needs a default; {', '.join(missing)} has none")
+        if name in self._specs and not replace:
+            raise ValueError(f"{self.what} {name!r} is already registered; register under another name")
+        spec = Spec(name, fn, options, tuple(requires), help, dict(extra))
+        self._specs[name] = spec
+        return spec
+
+    # ------------------------------------------------------------------------------------------------ looking up
+    def names(self) -> list[str]:
+        return list(self._specs)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._specs
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def get(self, name: str) -> Spec | None:
+        return self._specs.get(name)
+
+    def choices(self, name: str) -> str:
+        """"use one of a, b, c; did you mean 'b'?" for a name that is not registered."""
+        close = difflib.get_close_matches(str(name), self.names(), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        paths = " (or a 'package.module:function' path)" if self.allow_paths else ""
+        return f"use one of {', '.join(self.names())}{paths}{hint}"
+
+    def unknown(self, name: str) -> str:
+        """The message for a name that is not registered: the valid names and the closest one."""
+        return f"{self.name_key}={name!r} is not a registered {self.what}; {self.choices(name)}"
+
+    def spec(self, name: str) -> Spec:
+        """The Spec of a registered name. Raises ValueError (one line: the valid names, the closest one)."""
+        spec = self._specs.get(name)
+        if spec is None:
+            raise ValueError(self.unknown(name))
+        return spec
+
+    def spec_of_fn(self, fn: Any) -> Spec | None:
+        """The Spec registered for function `fn` (a plugin path may name a registered function)."""
+        return next((s for s in self._specs.values() if s.fn is fn), None)
+
+    def options(self, name_or_spec: str | Spec, data: Mapping[str, Any] | None, *, source: str | None = None) -> Any:
+        """The options dataclass of an implementation built strictly from `data` (None = all defaults).
+
+        Raises:
+            ConfigError: an unknown option (with a suggestion), a wrong type or choice, a value out of range; the
+                message names ``<options_key>.KEY``.
+        """
+        spec = self.spec(name_or_spec) if isinstance(name_or_spec, str) else name_or_spec
+        if isinstance(data, spec.options):
+            return data
+        label = f"the options of {self.what} {spec.name!r}"
+        return build_options(spec.options, data, self.options_key, source=source, label=label)
+
+    # ------------------------------------------------------------------------------------------------ help
+    def describe(self) -> str:
+        """--help-config: every registered implementation and its options (type, default, range, help)."""
+        lines = [f"{self.name_key} choices ({self.what}s) and their {self.options_key}:"]
+        for spec in self._specs.values():
+            needs = f" [requires {', '.join(spec.requires)}]" if spec.requires else ""
+            lines.append(f"  {self.name_key}={spec.name}: {spec.help}{needs}".rstrip())
+            lines.extend(describe_options(spec.options, self.options_key, indent="    "))
+        return "\n".join(lines)
+
+
+def describe_options(options: type, prefix: str, indent: str = "") -> list[str]:
+    """Help lines of an options dataclass: ``prefix.field: type = default, range ...`` then its help sentence."""
+    import yaml
+
+    if not _init_fields(options):
+        return [f"{indent}(no options)"]
+    hints = _type_hints(options)
+    out = []
+    for f in _init_fields(options):
+        default = yaml.safe_dump(_default(f), default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+        rng = range_text(f.metadata)
+        rng = f", range {rng}" if rng else ""
+        out.append(f"{indent}{prefix}.{f.name}: {_type_name(hints[f.name])} = {default}{rng}")
+        if f.metadata.get("help"):
+            out.append(f"{indent}    {f.metadata['help']}")
+    return out
+
+
+def describe_registries() -> str:
+    """--help-config: every imported registry's implementations and their options."""
+    return "\n\n".join(r.describe() for r in REGISTRIES.values())
+
+
+def options_field(registry_key: str, help: str, *, name_field: str = "name") -> Any:
+    """The `options` field of a `{name, options}` config section: a mapping checked against the options dataclass of
+    the implementation named by the sibling field `name_field`, in registry `registry_key`."""
+    return field(default_factory=dict, metadata={"help": help, "options_of": registry_key, "name_field": name_field})
