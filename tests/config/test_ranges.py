@@ -20,7 +20,7 @@ import yaml
 from flowcredit.cli.main import PRESET_DIR
 from flowcredit.config import ConfigError, check_ranges, describe, from_dict, load_config, load_yaml, range_text, to_dict
 from flowcredit.config.load import _walk_fields
-from flowcredit.config.registry import describe_registries
+from flowcredit.config.registry import REGISTRIES, describe_registries
 from flowcredit.config.schema import TrainConfig
 from flowcredit.credit.base import CreditCfg
 
@@ -85,9 +85,6 @@ BAD_VALUES = [
     ("estimate.instant_substeps=0", "estimate.instant_substeps = 0", "must be >= 1"),
     ("model.lora_rank=0", "model.lora_rank = 0", "must be >= 1"),
     ("model.lora_alpha=0", "model.lora_alpha = 0.0", "must be > 0"),
-    ("model.resolution=0", "model.resolution = 0", "must be >= 1"),
-    ("model.max_sequence_length=0", "model.max_sequence_length = 0", "must be >= 1"),
-    ("model.embedded_guidance=-1", "model.embedded_guidance = -1.0", "must be >= 0"),
     ("faults.max_nonfinite=-1", "faults.max_nonfinite = -1", "must be >= 0"),
     ("faults.reward_retries=-1", "faults.reward_retries = -1", "must be >= 0"),
     ("faults.reward_backoff=-1", "faults.reward_backoff = -1.0", "must be >= 0"),
@@ -105,6 +102,10 @@ BAD_OPTIONS = [
     ("tiny_vgpo", "credit.options.adae_k=-1", "credit.options.adae_k = -1.0", "must be >= 0"),
     ("tiny_vgpo", "credit.options.adae_steps=-2", "credit.options.adae_steps = -2", "must be >= -1"),
     ("tiny_stepwise_adae", "credit.anchor_options.adae_k=-1", "credit.anchor_options.adae_k = -1.0", "must be >= 0"),
+    ("sd35m_flow_grpo", "model.options.resolution=0", "model.options.resolution = 0", "must be >= 1"),
+    ("sd35m_flow_grpo", "model.options.max_sequence_length=0", "model.options.max_sequence_length = 0", "must be >= 1"),
+    ("flux1dev_flow_grpo", "model.options.embedded_guidance=-1", "model.options.embedded_guidance = -1.0",
+     "must be >= 0"),
 ]
 
 
@@ -125,7 +126,7 @@ def test_table_covers_many_fields():
 
 @pytest.mark.parametrize(
     "override",
-    ["sampler.noise_level=null", "data.batch_size=null", "credit.adv_clip=null", "model.resolution=null",
+    ["sampler.noise_level=null", "data.batch_size=null", "credit.adv_clip=null",
      "sampler.timestep_fraction=1", "optim.ema_decay=0", "optim.betas=[0, 0.5]",
      "run.iterations=0", "data.group_size=2", "optim.kl_beta=0"],
 )
@@ -135,6 +136,7 @@ def test_values_on_the_boundary_or_null_are_accepted(override):
 
 def test_registered_option_on_its_boundary_is_accepted():
     assert _load("tiny_vgpo", "credit.options.adae_steps=-1").credit.options == {"adae_steps": -1}
+    assert _load("sd35m_flow_grpo", "model.options.resolution=null").model.options == {"resolution": None}
 
 
 def test_range_is_checked_before_cross_field_checks():
@@ -300,6 +302,11 @@ def _numeric(tp) -> bool:
 
 def test_every_numeric_field_declares_a_range():
     keys = [(key, f) for key, f, tp in _walk_fields(TrainConfig, "") if _numeric(tp)]
+    for reg in REGISTRIES.values():  # and every option of every built-in credit method, sampler, model, objective
+        for name in reg:
+            options, prefix = reg.spec(name).options, f"{reg.options_key}[{name}]"
+            if options.__module__.startswith("flowcredit."):  # not the toys other test files register
+                keys += [(key, f) for key, f, tp in _walk_fields(options, prefix) if _numeric(tp)]
     assert len(keys) > 50
     missing = [key for key, f in keys if range_text(f.metadata) is None and key not in UNRANGED]
     assert missing == []

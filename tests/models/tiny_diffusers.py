@@ -232,8 +232,7 @@ def train_config(kind: str, method: str, out_dir: str | Path, *overrides: str):
         f"run.out_dir={out_dir}", *overrides,
     ]
     cfg = load_config(TrainConfig, None, args)
-    # ModelCfg has no `resolution` field yet; build_model reads it with getattr (FLUX would default to 128 px).
-    cfg.model.resolution = RESOLUTION
+    cfg.model.options = {"resolution": RESOLUTION}  # the diffusers families' option (FLUX would default to 128 px)
     return cfg
 
 
@@ -311,7 +310,7 @@ def benchmark(model_dir: str | Path, out_dir: str | Path, *, device: str = "cuda
             *overrides,
         ]
         cfg = load_config(TrainConfig, None, args)
-        cfg.model.resolution = resolution
+        cfg.model.options = {"resolution": resolution}
         tr = GRPOTrainer(cfg)
         tr.setup()
         cuda = device.startswith("cuda") and torch.cuda.is_available()

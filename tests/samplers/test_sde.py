@@ -13,6 +13,7 @@ from flowcredit.samplers.sde import (
     flow_grpo_std_dev,
     gaussian_kl_same_std,
     gaussian_log_prob,
+    noise_level,
     sampler_step,
 )
 
@@ -23,8 +24,8 @@ STOCHASTIC = [
     SamplerParams("flow_sde"),
     SamplerParams("cps"),
     SamplerParams("ddim_sde"),
-    SamplerParams("ddim_sde", ddim_sigma="eta_s"),
-    SamplerParams("ddim_sde", ddim_coef="mm"),
+    SamplerParams("ddim_sde", options={"sigma": "eta_s"}),
+    SamplerParams("ddim_sde", options={"coef": "mm"}),
 ]
 
 
@@ -34,10 +35,10 @@ def _inputs(batch=4, latent=LATENT, t=0.8, t_next=0.6):
     return x, v, torch.full((batch,), t), torch.full((batch,), t_next)
 
 
-@pytest.mark.parametrize("params", STOCHASTIC, ids=lambda p: f"{p.name}-{p.ddim_sigma}-{p.ddim_coef}")
+@pytest.mark.parametrize("params", STOCHASTIC, ids=lambda p: f"{p.name}-{p.options}")
 @pytest.mark.parametrize("reduce", ["mean", "sum"])
 def test_log_prob_equals_torch_normal(params, reduce):
-    params = SamplerParams(params.name, reduce=reduce, ddim_sigma=params.ddim_sigma, ddim_coef=params.ddim_coef)
+    params = SamplerParams(params.name, reduce=reduce, options=params.options)
     x, v, t, t_next = _inputs()
     out = sampler_step(params, x, v, t, t_next, generator=torch.Generator().manual_seed(0))
     assert bool((out.std > 0).all())
@@ -68,8 +69,8 @@ def test_ode_is_euler_step():
         SamplerParams("flow_sde", noise_level=0.0),
         SamplerParams("cps", noise_level=0.0),
         SamplerParams("ddim_sde", noise_level=0.0),
-        SamplerParams("ddim_sde", noise_level=0.0, ddim_sigma="eta_s"),
-        SamplerParams("ddim_sde", noise_level=0.0, ddim_coef="mm"),
+        SamplerParams("ddim_sde", noise_level=0.0, options={"sigma": "eta_s"}),
+        SamplerParams("ddim_sde", noise_level=0.0, options={"coef": "mm"}),
     ],
     ids=["flow_sde", "cps", "ddim_sqrt", "ddim_eta_s", "ddim_mm"],
 )
@@ -82,7 +83,7 @@ def test_zero_noise_reproduces_ode(params, times):
     assert not out.std.any() and not out.log_prob.any()
 
 
-@pytest.mark.parametrize("params", STOCHASTIC, ids=lambda p: f"{p.name}-{p.ddim_sigma}-{p.ddim_coef}")
+@pytest.mark.parametrize("params", STOCHASTIC, ids=lambda p: f"{p.name}-{p.options}")
 def test_scoring_recorded_sample_reproduces_log_prob(params):
     x, v, t, t_next = _inputs()
     noise = torch.randn(x.shape)
@@ -164,7 +165,7 @@ def test_ddim_coefficients_agree_to_second_order():
     noise = torch.randn(x.shape)
     for eta, tol in ((0.1, 1e-5), (0.3, 1e-3)):
         a = sampler_step(SamplerParams("ddim_sde", noise_level=eta), x, v, t, t_next, noise=noise)
-        b = sampler_step(SamplerParams("ddim_sde", noise_level=eta, ddim_coef="mm"), x, v, t, t_next, noise=noise)
+        b = sampler_step(SamplerParams("ddim_sde", noise_level=eta, options={"coef": "mm"}), x, v, t, t_next, noise=noise)
         assert torch.allclose(a.mean, b.mean, atol=tol) and not torch.equal(a.mean, b.mean)
 
 
@@ -172,8 +173,10 @@ def test_misuse_raises_teaching_errors():
     x, v, t, t_next = _inputs()
     with pytest.raises(ValueError, match="not both"):
         sampler_step(SamplerParams("flow_sde"), x, v, t, t_next, noise=torch.randn(x.shape), x_next=x)
-    with pytest.raises(ValueError, match="valid samplers"):
+    with pytest.raises(ValueError, match="not a registered sampler; use one of ode, flow_sde, cps, ddim_sde"):
         SamplerParams("euler_maruyama")
+    with pytest.raises(ValueError, match="unknown key 'sampler.options.sigma'.*the options of sampler 'flow_sde'"):
+        SamplerParams("flow_sde", options={"sigma": "eta_s"})
     with pytest.raises(ValueError, match="reduce"):
         SamplerParams("cps", reduce="max")
     with pytest.raises(ValueError, match=r"\(B,\)"):
@@ -183,10 +186,11 @@ def test_misuse_raises_teaching_errors():
 
 
 def test_default_noise_levels():
-    assert SamplerParams("flow_sde").noise_level == 0.7
-    assert SamplerParams("cps").noise_level == 0.7
-    assert SamplerParams("ddim_sde").noise_level == 0.9
-    assert SamplerParams("ddim_sde", noise_level=0.5).noise_level == 0.5
+    assert noise_level(SamplerParams("flow_sde")) == 0.7
+    assert noise_level(SamplerParams("cps")) == 0.7
+    assert noise_level(SamplerParams("ddim_sde")) == 0.9
+    assert noise_level(SamplerParams("ddim_sde", noise_level=0.5)) == 0.5
+    assert SamplerParams("flow_sde").noise_level is None  # the config keeps null: the default is the sampler's
 
 
 def test_kl_same_std():

@@ -387,7 +387,6 @@ def reward_trajectory_figure(run: Path, png: Path, prompt_index: int = 0, group:
     from ..samplers.rollout import make_initial_noise, rollout
     from ..samplers.schedules import time_grid
     from ..shapes.prompts import load_prompts
-    from ..trainer.grpo import sampler_params
     from ..types import to_uint8_hwc
 
     cfg = load_config(TrainConfig, str(run / "config.yaml"))
@@ -405,7 +404,7 @@ def reward_trajectory_figure(run: Path, png: Path, prompt_index: int = 0, group:
         meta,
         gids,
         timesteps=grid,
-        sampler=sampler_params(cfg),
+        sampler=cfg.sampler,
         guidance_scale=cfg.sampler.guidance_scale,
         generator=gen,
         init_noise=init,

@@ -10,10 +10,11 @@ they state the arithmetic.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from .credit import CreditCfg
-from .registry import options_field
+from .ranges import check_values
+from .registry import REGISTRIES, options_field
 
 
 def _h(default, text: str, *, ge=None, gt=None, le=None, lt=None, **kw):
@@ -28,8 +29,15 @@ def _h(default, text: str, *, ge=None, gt=None, le=None, lt=None, **kw):
 
 @dataclass
 class ModelCfg:
-    name: Literal["tiny", "sd3", "flux"] = _h("tiny", "Model family: the built-in tiny shapes model, SD3/SD3.5 or "
-                                                      "FLUX.1 (diffusers).")
+    # family-specific knobs were flat keys; they are the options of the family that reads them now
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "resolution": "options.resolution",
+        "max_sequence_length": "options.max_sequence_length",
+        "embedded_guidance": "options.embedded_guidance",
+    }
+
+    name: str = _h("tiny", "Model family (registry flowcredit.models.factory.MODELS): the built-in tiny shapes model, "
+                           "sd3 (SD3/SD3.5) or flux (FLUX.1), both through diffusers; see --help-config.")
     path: str | None = _h(None, "Weights: a .safetensors file (tiny) or a local diffusers folder; null = the shipped "
                                 "tiny checkpoint.")
     precision: Literal["auto", "fp32", "bf16"] = _h(
@@ -49,40 +57,59 @@ class ModelCfg:
     gradient_checkpointing: bool = _h(
         False, "Recompute activations in the backward pass to save memory (real models)."
     )
-    resolution: int | None = _h(
-        None, "Image side in pixels for SD3/FLUX (papers: 512); null = the transformer's native size.", ge=1
-    )
-    max_sequence_length: int | None = _h(None, "T5 prompt tokens for SD3/FLUX; null = the pipeline's default.", ge=1)
-    embedded_guidance: float = _h(
-        3.5, "FLUX.1-dev distilled guidance embedding (not CFG; CFG is sampler.guidance_scale).", ge=0
+    options: dict[str, Any] = options_field(
+        "model", "Options of the model family, checked against its own options dataclass (sd3: {resolution, "
+        "max_sequence_length}; flux: also embedded_guidance; listed by --help-config)."
     )
 
     def __post_init__(self):
         if self.lora_targets is None:
             self.lora_targets = []
+        reg = REGISTRIES.get("model")  # models/factory.py; a loaded config was checked against it already
+        if reg is not None:
+            reg.options(reg.spec(self.name), self.options)  # unknown family or option: one-line ValueError
 
 
 @dataclass
-class SamplerCfg:
-    name: Literal["flow_sde", "ddim_sde", "cps", "ode"] = _h(
-        "flow_sde", "Rollout SDE (ALGORITHMS.md §2): Flow-GRPO's flow_sde, Stepwise's ddim_sde, Flow-CPS, or ode."
+class SamplerParams:
+    """What a step function reads (samplers/sde.py): which sampler, its noise level, the log-prob reduction and the
+    sampler's own options. The base of SamplerCfg, so the config's `sampler:` section IS the step parameters (one
+    definition); `samplers.sde.SamplerParams` is this class. Built in code: ``SamplerParams("ddim_sde",
+    options={"sigma": "eta_s"})``."""
+
+    # the ddim_sde knobs were flat keys; they are the options of the ddim_sde sampler now
+    MOVED_KEYS: ClassVar[dict[str, str]] = {"ddim_sigma": "options.sigma", "ddim_coef": "options.coef"}
+
+    name: str = _h(
+        "flow_sde", "Rollout sampler (registry flowcredit.samplers.sde.SAMPLERS, ALGORITHMS.md §2): Flow-GRPO's "
+                    "flow_sde, Stepwise's ddim_sde, Flow-CPS cps, or ode; see --help-config."
     )
     noise_level: float | None = _h(
         None, "a for flow_sde/cps (Flow-GRPO a=0.7), η for ddim_sde (0.9); null = the sampler's default.", ge=0
     )
+    reduce: Literal["mean", "sum"] = _h(
+        "mean", "Log-prob reduction over latent dims (Flow-GRPO: mean, so clip_range 1e-4 means what it means there)."
+    )
+    options: dict[str, Any] = options_field(
+        "sampler", "Options of the chosen sampler, checked against its own options dataclass (ddim_sde: {sigma, "
+        "coef}; listed by --help-config)."
+    )
+
+    def __post_init__(self):
+        check_values(self, "sampler")  # choices and ranges of an object built in code (the loader checked its own)
+        reg = REGISTRIES.get("sampler")  # samplers/sde.py; a loaded config was checked against it already
+        if reg is not None:
+            reg.options(reg.spec(self.name), self.options)  # unknown name or option: one-line ValueError
+
+
+@dataclass
+class SamplerCfg(SamplerParams):
+    """The `sampler:` section: the step parameters (SamplerParams) + the time grid and which steps are trained."""
+
     num_steps: int = _h(10, "Rollout steps T (Flow-GRPO: 10 for training).", ge=1)
     shift: float = _h(3.0, "SD3 timestep shift of the time grid.", gt=0)
     grid: Literal["uniform", "diffusers"] = _h(
         "uniform", "Time grid: shifted linspace(1, 0) or diffusers' FlowMatchEulerDiscreteScheduler grid."
-    )
-    reduce: Literal["mean", "sum"] = _h(
-        "mean", "Log-prob reduction over latent dims (Flow-GRPO: mean, so clip_range 1e-4 means what it means there)."
-    )
-    ddim_sigma: Literal["eta_s_sqrt", "eta_s"] = _h(
-        "eta_s_sqrt", "ddim_sde σ schedule: η(t−Δt)√(1−t) (Stepwise §5.5) or η(t−Δt) (= Flow-CPS)."
-    )
-    ddim_coef: Literal["ddim", "mm"] = _h(
-        "ddim", "ddim_sde noise coefficient: sqrt(s²−σ²) or the marginal-matching s − σ²/(2s)."
     )
     guidance_scale: float = _h(1.0, "CFG scale used in rollout AND loss (one policy velocity function).", ge=0)
     timestep_fraction: float = _h(
@@ -107,6 +134,7 @@ class SamplerCfg:
     )
 
     def __post_init__(self):
+        super().__post_init__()
         if int(self.num_steps * self.timestep_fraction) < 1:
             raise ValueError(
                 f"int(sampler.num_steps·sampler.timestep_fraction) = int({self.num_steps}·{self.timestep_fraction}) = "

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib
 import json
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +141,23 @@ def check_diffusers_version(needed_by: str) -> None:
             f"{needed_by} needs diffusers>={'.'.join(map(str, MIN_DIFFUSERS))} (per-component dtypes, LoRA alpha "
             f"metadata); found {diffusers.__version__}: pip install -U 'diffusers>=0.34'"
         )
+
+
+@dataclass
+class DiffusersOptions:
+    """`model.options` of the diffusers families (sd3; flux adds `embedded_guidance`)."""
+
+    resolution: int | None = field(
+        default=None,
+        metadata={"help": "Image side in pixels (papers: 512); null = the transformer's native size.", "ge": 1},
+    )
+    max_sequence_length: int | None = field(
+        default=None, metadata={"help": "T5 prompt tokens; null = the pipeline's default.", "ge": 1}
+    )
+
+    def kwargs(self) -> dict[str, Any]:
+        """The options that are set, as keyword arguments of the adapter's constructor."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
 class DiffusersFlowModel(nn.Module):

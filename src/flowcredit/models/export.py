@@ -137,10 +137,15 @@ def export_checkpoint(
     mc = dict(st["model_config"])
     if mc.get("name") not in ("sd3", "flux"):
         raise ValueError(f"checkpoint '{ck}' is of model.name={mc.get('name')!r}; export handles sd3 and flux")
-    cfg = ModelCfg(**{k: v for k, v in mc.items() if k in ModelCfg.__dataclass_fields__})
-    for k, v in mc.items():  # options the schema may not have (resolution, ...) travel as attributes
-        if k not in ModelCfg.__dataclass_fields__:
-            setattr(cfg, k, v)
+    options = dict(mc.get("options") or {})
+    for k, v in mc.items():  # a checkpoint written before model.options: its flat family options
+        moved = ModelCfg.MOVED_KEYS.get(k)
+        if moved is not None and v is not None and k not in options:
+            options[moved.removeprefix("options.")] = v
+    if mc.get("name") == "sd3":
+        options.pop("embedded_guidance", None)  # a FLUX-only field the old flat ModelCfg carried for every family
+    fields = {k: v for k, v in mc.items() if k in ModelCfg.__dataclass_fields__ and k != "options"}
+    cfg = ModelCfg(**fields, options=options)
     if model_path is not None:
         cfg.path = model_path
     cfg.precision = "fp32"  # export the trained fp32 weights as they are

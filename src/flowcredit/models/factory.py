@@ -1,12 +1,24 @@
-"""Build a FlowModel from a ModelCfg (the trainer's and the CLI's single entry point to models)."""
+"""Model families: the registry (name → builder + its own options dataclass) and `build_model`, the trainer's and the
+CLI's single entry point to models.
+
+    MODELS.register("tiny", build_tiny)                          # the built-in shapes model, no options
+    MODELS.register("sd3", build_sd3, DiffusersOptions)          # model.options: resolution, max_sequence_length
+    MODELS.register("flux", build_flux, FluxOptions)             # ... + embedded_guidance
+
+A builder is ``(cfg: ModelCfg, opts, device) -> FlowModel``; adding a family is one file with its adapter and
+options plus one `MODELS.register` line. The adapters' heavy imports (diffusers, peft) stay inside them.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..config.registry import Registry
 from ..config.schema import ModelCfg
+from .diffusers_common import DiffusersOptions
+from .flux import FluxOptions
 
 if TYPE_CHECKING:  # the concrete families (each an nn.Module with `.net`, implementing types.FlowModel)
     from .flux import FluxFlowModel
@@ -16,45 +28,57 @@ if TYPE_CHECKING:  # the concrete families (each an nn.Module with `.net`, imple
     PolicyModel = TinyFlowModel | SD3FlowModel | FluxFlowModel
 
 
-def build_model(cfg: ModelCfg, device: str = "cpu") -> PolicyModel:
-    """Return a FlowModel for `cfg` on `device`.
+def build_tiny(cfg: ModelCfg, opts: Any, device: str) -> TinyFlowModel:
+    """The built-in tiny DiT (`model.path` or the shipped weights); LoRA (peft-style, models/tiny.py) when
+    cfg.trainable == "lora"."""
+    from .tiny import TinyFlowModel
 
-    tiny: the built-in model. sd3 / flux: the diffusers adapters. LoRA (peft) is added at build time when
-    cfg.trainable == "lora" (tiny: `TinyFlowModel.add_lora`; diffusers: models/diffusers_common.py).
+    model = TinyFlowModel.load(cfg.path)
+    if cfg.trainable == "lora":
+        model.add_lora(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+    model = model.to(device)
+    model.compute_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    return model
+
+
+def _need_path(cfg: ModelCfg) -> str:
+    if not cfg.path:
+        raise ValueError(f"model.name={cfg.name} needs model.path: a local diffusers folder (or a hub id)")
+    return cfg.path
+
+
+def build_sd3(cfg: ModelCfg, opts: DiffusersOptions, device: str) -> SD3FlowModel:
+    """SD3/SD3.5 through diffusers (models/sd3.py); LoRA through peft when cfg.trainable == "lora"."""
+    from .sd3 import SD3FlowModel
+
+    return SD3FlowModel.from_pretrained(_need_path(cfg), cfg, **opts.kwargs()).to(device)
+
+
+def build_flux(cfg: ModelCfg, opts: FluxOptions, device: str) -> FluxFlowModel:
+    """FLUX.1 through diffusers (models/flux.py); LoRA through peft when cfg.trainable == "lora"."""
+    from .flux import FluxFlowModel
+
+    return FluxFlowModel.from_pretrained(_need_path(cfg), cfg, **opts.kwargs()).to(device)
+
+
+MODELS = Registry("model", "model family")
+MODELS.register("tiny", build_tiny, help="the built-in 3.4 M-parameter DiT of the shapes world (CPU)")
+MODELS.register("sd3", build_sd3, DiffusersOptions, help="Stable Diffusion 3 / 3.5 through diffusers")
+MODELS.register("flux", build_flux, FluxOptions, help="FLUX.1 through diffusers")
+
+
+def build_model(cfg: ModelCfg, device: str = "cpu") -> PolicyModel:
+    """Return the FlowModel of `cfg` on `device`: the registered family's builder with its options.
+
     `cfg.precision = "auto"` is resolved in place (to "bf16" or "fp32", models/precision.py), so a config saved
     after the build records what ran.
     """
     from .precision import resolve_precision
 
+    spec = MODELS.spec(cfg.name)
+    opts = MODELS.options(spec, cfg.options)
     cfg.precision = resolve_precision(cfg.precision, device)  # 'auto' → what this hardware runs fast
-    if cfg.name == "tiny":
-        from .tiny import TinyFlowModel
-
-        model = TinyFlowModel.load(cfg.path)
-        if cfg.trainable == "lora":
-            model.add_lora(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
-        model = model.to(device)
-        model.compute_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-        return model
-    if cfg.name in ("sd3", "flux"):
-        # The diffusers adapters (models/sd3.py, models/flux.py). Options ModelCfg may not have yet are read with
-        # getattr so a config object that carries them (or a future schema field) sets them:
-        #   resolution (px; default: the transformer's native size), max_sequence_length (T5 tokens; default: the
-        #   pipeline's), embedded_guidance (FLUX.1-dev distilled guidance; default 3.5).
-        if not cfg.path:
-            raise ValueError(f"model.name={cfg.name} needs model.path: a local diffusers folder (or a hub id)")
-        kw = {k: getattr(cfg, k) for k in ("resolution", "max_sequence_length") if getattr(cfg, k, None) is not None}
-        if cfg.name == "sd3":
-            from .sd3 import SD3FlowModel
-
-            return SD3FlowModel.from_pretrained(cfg.path, cfg, **kw).to(device)
-        else:
-            from .flux import FluxFlowModel
-
-            if getattr(cfg, "embedded_guidance", None) is not None:
-                kw["embedded_guidance"] = cfg.embedded_guidance
-            return FluxFlowModel.from_pretrained(cfg.path, cfg, **kw).to(device)
-    raise ValueError(f"model.name={cfg.name!r}; valid: tiny, sd3, flux")
+    return spec.fn(cfg, opts, device)
 
 
 def set_trainable(model, trainable: str) -> list[torch.nn.Parameter]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +38,18 @@ import torch
 from torch import Tensor
 
 from ..types import Cond
-from .diffusers_common import DiffusersFlowModel
+from .diffusers_common import DiffusersFlowModel, DiffusersOptions
+
+
+@dataclass
+class FluxOptions(DiffusersOptions):
+    """`model.options` of flux: the diffusers options + FLUX.1-dev's distilled guidance."""
+
+    embedded_guidance: float = field(
+        default=3.5,
+        metadata={"help": "FLUX.1-dev distilled guidance embedding (not CFG; CFG is sampler.guidance_scale).",
+                  "ge": 0},
+    )
 
 FLUX_COMPONENTS = {
     "transformer": "config.json",

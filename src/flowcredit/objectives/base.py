@@ -41,7 +41,7 @@ class LossContext:
         traj: the rollout: latents (B, T+1, *latent), timesteps (T+1,), log_probs (B, T), step_mask (T,).
         cond / uncond: prompt conditioning of the B rows (uncond None without CFG).
         guidance: CFG scale used in rollout AND loss.
-        params: samplers.sde.SamplerParams of the rollout SDE.
+        params: the rollout's sampler (config.schema.SamplerParams: the run's `sampler` section).
         reference: zero-argument callable returning a context manager that yields π_ref (a frozen copy or the LoRA
             model with its adapter disabled).
         on_policy: one pass and one optimizer step per rollout batch, so θ_old = θ at every loss evaluation.

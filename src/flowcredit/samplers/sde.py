@@ -19,21 +19,38 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import Tensor
 
-REDUCTIONS = ("mean", "sum")
-DDIM_SIGMAS = ("eta_s_sqrt", "eta_s")
-DDIM_COEFS = ("ddim", "mm")
+from ..config.ranges import check_values
+from ..config.registry import NoOptions, Registry
+from ..config.schema import SamplerParams as SamplerParams  # the config's sampler section IS the step parameters
 
-# Default noise level per sampler: a = 0.7 for flow_sde / cps (Flow-GRPO App. B.3), η = 0.9 for ddim_sde (§2.3, A1).
-DEFAULT_NOISE_LEVEL = {"ode": 0.0, "flow_sde": 0.7, "cps": 0.7, "ddim_sde": 0.9}
+REDUCTIONS = ("mean", "sum")
 
 # Smallest value allowed for (1 − t*) in the Flow-GRPO std a·sqrt(t / (1 − t*)). Only reached on degenerate grids
 # (t = t_next = 1); keeps the std finite instead of inf.
 FLOW_SDE_MIN_ONE_MINUS_T = 1e-6
+
+
+@dataclass
+class DDIMOptions:
+    """`sampler.options` of ddim_sde (ALGORITHMS.md §2.3, A1/A2)."""
+
+    sigma: Literal["eta_s_sqrt", "eta_s"] = field(
+        default="eta_s_sqrt",
+        metadata={"help": "σ schedule: η(t−Δt)√(1−t) (Stepwise §5.5, default) or η(t−Δt) (= Flow-CPS)."},
+    )
+    coef: Literal["ddim", "mm"] = field(
+        default="ddim", metadata={"help": "x̂1 coefficient: sqrt(s²−σ²) (exact variance) or the marginal-matching "
+                                          "s − σ²/(2s) (§2.3 (c), A2)."}
+    )
+
+    def __post_init__(self) -> None:
+        check_values(self, "sampler.options")
 
 
 def expand_like(a: Tensor, x: Tensor) -> Tensor:
@@ -51,39 +68,17 @@ def expand_like(a: Tensor, x: Tensor) -> Tensor:
     return a.reshape(a.shape[0], *([1] * (x.ndim - 1)))
 
 
-@dataclass(frozen=True)
-class SamplerParams:
-    """Which step function to use and its knobs.
+def noise_level(params: SamplerParams) -> float:
+    """The noise level of `params`: its own, or (null) the sampler's default (a = 0.7 for flow_sde / cps, Flow-GRPO
+    App. B.3; η = 0.9 for ddim_sde, §2.3, A1; 0 for ode), declared in the sampler's registry entry."""
+    if params.noise_level is not None:
+        return float(params.noise_level)
+    return float(SAMPLERS.spec(params.name).extra["noise_level"])
 
-    Attributes:
-        name: "ode" | "flow_sde" (Flow-GRPO, §2.1) | "cps" (Flow-CPS, §2.2) | "ddim_sde" (Stepwise, §2.3).
-        noise_level: a for flow_sde / cps (default 0.7); η for ddim_sde (default 0.9); ignored by ode.
-            ``None`` picks the default of ``name``.
-        reduce: log-prob / KL reduction over latent dims, "mean" (Flow-GRPO convention, A8) or "sum".
-        ddim_sigma: ddim_sde noise schedule, "eta_s_sqrt": σ = η·(t−Δt)·√(1−t) (default, A1) or "eta_s": σ = η·(t−Δt).
-        ddim_coef: ddim_sde x̂1 coefficient, "ddim": sqrt(s² − σ²) (default) or "mm": s − σ²/(2s) (§2.3 (c), A2).
-    """
 
-    name: str = "flow_sde"
-    noise_level: float | None = None
-    reduce: str = "mean"
-    ddim_sigma: str = "eta_s_sqrt"
-    ddim_coef: str = "ddim"
-
-    def __post_init__(self) -> None:
-        _check_name(self.name)
-        if self.noise_level is None:
-            object.__setattr__(self, "noise_level", DEFAULT_NOISE_LEVEL.get(self.name, 0.0))
-        level: float = self.noise_level  # type: ignore[assignment]  # filled in just above
-        if not level >= 0:
-            raise ValueError(f"noise_level must be >= 0, got {self.noise_level!r}.")
-        for field_name, value, valid in (
-            ("reduce", self.reduce, REDUCTIONS),
-            ("ddim_sigma", self.ddim_sigma, DDIM_SIGMAS),
-            ("ddim_coef", self.ddim_coef, DDIM_COEFS),
-        ):
-            if value not in valid:
-                raise ValueError(f"SamplerParams.{field_name}={value!r} is not one of {valid}.")
+def step_options(params: SamplerParams):
+    """The sampler's own options dataclass built from `params.options` (ConfigError naming sampler.options.KEY)."""
+    return SAMPLERS.options(params.name, params.options)
 
 
 @dataclass
@@ -299,7 +294,7 @@ def flow_sde_step(x_t, v, t, t_next, *, params, noise=None, generator=None, x_ne
         StepOutput.
     """
     x_t, v, t, t_next = _prepare(x_t, v, t, t_next)
-    a = float(params.noise_level)
+    a = noise_level(params)
     dt = t_next - t  # (B,) < 0
     std_dev_t = flow_grpo_std_dev(t, t_next, a)  # (B,)
     half_ratio = a**2 / (2 * _flow_sde_one_minus_t_star(t, t_next))  # (B,) = std_dev_t² / (2t)
@@ -335,7 +330,7 @@ def cps_step(x_t, v, t, t_next, *, params, noise=None, generator=None, x_next=No
         StepOutput.
     """
     x_t, v, t, t_next = _prepare(x_t, v, t, t_next)
-    a = float(params.noise_level)
+    a = noise_level(params)
     std = t_next * math.sin(a * math.pi / 2)  # (B,)
     x0_hat = x_t - expand_like(t, x_t) * v
     x1_hat = x_t + expand_like(1 - t, x_t) * v
@@ -353,7 +348,7 @@ def _ddim_sigma_factor(t: Tensor, t_next: Tensor, kind: str) -> Tensor:
     Args:
         t: (B,) current time.
         t_next: (B,) next time s.
-        kind: the sampler option ``ddim_sigma``.
+        kind: the ddim_sde option ``sigma``.
 
     Returns:
         (B,) g.
@@ -363,7 +358,7 @@ def _ddim_sigma_factor(t: Tensor, t_next: Tensor, kind: str) -> Tensor:
     if kind == "eta_s_sqrt":
         t_eff = torch.where(t >= 1.0, t_next, t)
         return torch.sqrt((1.0 - t_eff).clamp_min(0.0))
-    raise ValueError(f"ddim_sigma must be one of {DDIM_SIGMAS}, got {kind!r}.")
+    raise ValueError(f"sampler.options.sigma must be 'eta_s_sqrt' or 'eta_s', got {kind!r}.")
 
 
 def ddim_sde_step(x_t, v, t, t_next, *, params, noise=None, generator=None, x_next=None) -> StepOutput:
@@ -381,7 +376,7 @@ def ddim_sde_step(x_t, v, t, t_next, *, params, noise=None, generator=None, x_ne
         v: (B, *latent) velocity at (x_t, t).
         t: (B,) or 0-dim current time.
         t_next: (B,) or 0-dim next time (< t).
-        params: SamplerParams; ``noise_level`` is η, plus ``ddim_sigma`` and ``ddim_coef``.
+        params: SamplerParams; ``noise_level`` is η; its options (DDIMOptions) ``sigma`` and ``coef``.
         noise: (B, *latent) optional standard-normal noise for sampling.
         generator: optional torch.Generator used when noise is None.
         x_next: (B, *latent) optional recorded next state to score (no sampling).
@@ -390,11 +385,11 @@ def ddim_sde_step(x_t, v, t, t_next, *, params, noise=None, generator=None, x_ne
         StepOutput.
     """
     x_t, v, t, t_next = _prepare(x_t, v, t, t_next)
-    eta = float(params.noise_level)
+    eta, opts = noise_level(params), step_options(params)
     s = t_next
-    g = _ddim_sigma_factor(t, t_next, params.ddim_sigma)  # (B,)
+    g = _ddim_sigma_factor(t, t_next, opts.sigma)  # (B,)
     sigma = eta * s * g  # (B,)
-    if params.ddim_coef == "ddim":
+    if opts.coef == "ddim":
         coef = torch.sqrt((s**2 - sigma**2).clamp_min(0.0))
     else:  # "mm": s − σ²/(2s) = s − η²·s·g²/2
         coef = s - 0.5 * eta**2 * s * g**2
@@ -406,24 +401,24 @@ def ddim_sde_step(x_t, v, t, t_next, *, params, noise=None, generator=None, x_ne
 
 StepFn = Callable[..., StepOutput]
 
-SAMPLERS: dict[str, StepFn] = {
-    "ode": ode_step,
-    "flow_sde": flow_sde_step,
-    "cps": cps_step,
-    "ddim_sde": ddim_sde_step,
-}
-
-
-def _check_name(name: str) -> None:
-    if name not in SAMPLERS:
-        raise ValueError(f"Unknown sampler {name!r}; valid samplers are {sorted(SAMPLERS)}.")
+# name → step function + its own options dataclass (sampler.options) + its default noise level; `stochastic`: whether
+# the step explores (σ > 0), i.e. whether SDE log-probs exist for it.
+SAMPLERS = Registry("sampler", "sampler")
+SAMPLERS.register("ode", ode_step, NoOptions, help="deterministic Euler step of the flow ODE (§1.1)",
+                  noise_level=0.0, stochastic=False)
+SAMPLERS.register("flow_sde", flow_sde_step, NoOptions, help="Flow-GRPO's Euler–Maruyama SDE, noise level a (§2.1)",
+                  noise_level=0.7, stochastic=True)
+SAMPLERS.register("cps", cps_step, NoOptions, help="Flow-CPS coefficient-preserving step, noise level a (§2.2)",
+                  noise_level=0.7, stochastic=True)
+SAMPLERS.register("ddim_sde", ddim_sde_step, DDIMOptions, help="Stepwise's DDIM-inspired SDE, noise level η (§2.3)",
+                  noise_level=0.9, stochastic=True)
 
 
 def sampler_step(params: SamplerParams, x_t: Tensor, v: Tensor, t, t_next, **kwargs) -> StepOutput:
-    """Dispatch to ``SAMPLERS[params.name]`` (see the step functions for the argument shapes).
+    """Dispatch to the step function registered as ``params.name`` (see the step functions for the shapes).
 
     Args:
-        params: SamplerParams selecting the step function.
+        params: SamplerParams selecting the step function (the config's `sampler` section is one).
         x_t: (B, *latent) current state.
         v: (B, *latent) velocity at (x_t, t).
         t: (B,) or 0-dim current time.
@@ -433,5 +428,4 @@ def sampler_step(params: SamplerParams, x_t: Tensor, v: Tensor, t, t_next, **kwa
     Returns:
         StepOutput.
     """
-    _check_name(params.name)
-    return SAMPLERS[params.name](x_t, v, t, t_next, params=params, **kwargs)
+    return SAMPLERS.spec(params.name).fn(x_t, v, t, t_next, params=params, **kwargs)

@@ -36,12 +36,12 @@ import torch
 from ..config.schema import TrainConfig
 from ..credit.base import CreditInput
 from ..credit.registry import assign_credit, needs_instant_rewards, needs_step_rewards
+from ..models.factory import build_model, set_trainable  # (also: the model registry is known to the config)
 from ..objectives import LossContext, build_objective
 from ..rewards.guards import group_diversity
 from ..samplers.policy import nfe_per_sample
 from ..samplers.rollout import rollout
 from ..samplers.schedules import time_grid
-from ..samplers.sde import SamplerParams
 from ..types import Trajectory, cond_repeat
 from .distributed import (
     Dist,
@@ -72,13 +72,6 @@ def _one_line(prefix: str = ""):
         raise TrainingError(f"{prefix}{e}") from None
 
 
-def sampler_params(cfg: TrainConfig) -> SamplerParams:
-    s = cfg.sampler
-    return SamplerParams(
-        name=s.name, noise_level=s.noise_level, reduce=s.reduce, ddim_sigma=s.ddim_sigma, ddim_coef=s.ddim_coef
-    )
-
-
 @dataclasses.dataclass
 class Rollout:
     """This rank's rows of one iteration: prompts, their metadata and global group ids (B,), the conditioning, the
@@ -105,7 +98,6 @@ class GRPOTrainer(CheckpointMixin):
     # ------------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
         cfg = self.cfg
-        from ..models.factory import build_model, set_trainable
         from ..rewards.registry import build_reward, reward_from_config
         from ..shapes.prompts import load_prompts
         from .data import PromptSampler
@@ -167,7 +159,7 @@ class GRPOTrainer(CheckpointMixin):
         self.budget = TimeBudget(cfg.run.budget_minutes, self.t_created, self.eval_forwards)
         self.gen = torch.Generator(device="cpu").manual_seed(cfg.run.seed)
         self.timesteps = time_grid(cfg.sampler.num_steps, cfg.sampler.shift, cfg.sampler.grid)
-        self.params = sampler_params(cfg)
+        self.params = cfg.sampler  # the step parameters (config.schema.SamplerParams is SamplerCfg's base)
         self.credit_state: dict[str, torch.Tensor] = {}
         self.iteration = 0
         self.nonfinite = NonFiniteGuard(cfg.faults.max_nonfinite, self.dist.is_main)
