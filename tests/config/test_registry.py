@@ -191,3 +191,14 @@ def test_components_never_import_trainer_or_cli():
             assert "cli" not in imported, path  # nothing outside cli imports cli
         if top not in ("trainer", "cli", "compare"):
             assert "trainer" not in imported, path  # components never import the trainer
+
+
+def test_options_written_or_defaulted_are_the_same_run_for_compare_reuse():
+    from flowcredit.compare.study import _identity
+
+    def load(*overrides):
+        return load_config(TrainConfig, "tiny_stepwise", list(overrides), preset_dirs=[PRESET_DIR])
+
+    assert _identity(load()) == _identity(load("credit.options.use_gae=false", "sampler.options={}"))
+    assert _identity(load()) != _identity(load("credit.options.use_gae=true"))
+    assert _identity(load())["credit"]["options"]["norm"] == "joint"

@@ -127,7 +127,9 @@ _NOT_IDENTITY = ("out_dir", "eval_baseline_cache")
 
 
 def _identity(cfg) -> dict:
-    d = dataclasses.asdict(cfg)
+    from ..config.registry import with_full_options
+
+    d = with_full_options(dataclasses.asdict(cfg), type(cfg))  # options written or defaulted count the same
     for k in _NOT_IDENTITY:
         d["run"].pop(k, None)
     if d["model"].get("precision") == "auto":  # a finished run's config.yaml records what 'auto' resolved to here

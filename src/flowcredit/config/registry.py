@@ -185,6 +185,30 @@ def describe_registries() -> str:
     return "\n\n".join(r.describe() for r in REGISTRIES.values())
 
 
+def with_full_options(data: Any, cls: type) -> Any:
+    """`to_dict(obj)`-style data of config class `cls` in which every `{name, options}` mapping lists all the options
+    of the named implementation (its dataclass defaults filled in), so two configs that differ only by writing a
+    default explicitly compare equal (`flowcredit compare --reuse`). Sections whose registry is not imported, or
+    whose name it does not know, are left as they are."""
+    if not isinstance(data, Mapping) or not (dataclasses.is_dataclass(cls) and isinstance(cls, type)):
+        return data
+    out = dict(data)
+    hints = _type_hints(cls)
+    for f in _init_fields(cls):
+        if f.name not in out:
+            continue
+        key = f.metadata.get("options_of")
+        if key is None:
+            out[f.name] = with_full_options(out[f.name], hints[f.name])
+            continue
+        reg, name = REGISTRIES.get(key), out.get(f.metadata.get("name_field", "name"))
+        spec = reg.get(name) if reg is not None and isinstance(name, str) else None
+        if reg is not None and spec is not None and isinstance(out[f.name], Mapping):
+            built = reg.options(spec, out[f.name])
+            out[f.name] = {g.name: getattr(built, g.name) for g in _init_fields(spec.options)}
+    return out
+
+
 def options_field(registry_key: str, help: str, *, name_field: str = "name") -> Any:
     """The `options` field of a `{name, options}` config section: a mapping checked against the options dataclass of
     the implementation named by the sibling field `name_field`, in registry `registry_key`."""
