@@ -105,7 +105,7 @@ class Dist:
         """How many micro-batches this rank runs for its ``n_pairs`` pairs of one optimizer step.
 
         ⌈n_pairs/micro_batch⌉, or under FSDP the max of that over ranks (every forward/backward of a sharded network
-        is a collective, so a rank with fewer pairs runs zero-weight padding passes; see ``GRPOTrainer.update``).
+        is a collective, so a rank with fewer pairs runs zero-weight padding passes; see ``harness.DistPadding``).
         """
         n = -(-n_pairs // micro_batch)
         return int(self.max([n])[0]) if self.fsdp else n

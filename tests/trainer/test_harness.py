@@ -1,0 +1,72 @@
+"""Harness objects without a model: DistPadding (FSDP micro-batch padding) and RunLoop (when the loop stops)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from flowcredit.trainer.harness import DistPadding, RunLoop, TimeBudget
+
+
+class FakeDist:
+    """`Dist` as DistPadding and RunLoop see it: `micro_batches` is the max over ranks under FSDP, `any` the OR."""
+
+    def __init__(self, busiest_rank_pairs: int = 0, fsdp: bool = True):
+        self.busiest, self.fsdp, self.is_main = busiest_rank_pairs, fsdp, True
+
+    def micro_batches(self, n_pairs: int, micro_batch: int) -> int:
+        mine = -(-n_pairs // micro_batch)
+        return max(mine, -(-self.busiest // micro_batch)) if self.fsdp else mine
+
+    def any(self, flag: bool) -> bool:
+        return bool(flag)
+
+
+MASK = torch.tensor([False, True, True, False])  # first trained step: 1
+
+
+def test_padding_runs_as_many_passes_as_the_busiest_rank():
+    pairs = [(0, 1), (0, 2), (1, 1)]
+    chunks = list(DistPadding(FakeDist(busiest_rank_pairs=7), micro_batch=2).chunks(pairs, MASK))
+    assert chunks == [([(0, 1), (0, 2)], False), ([(1, 1)], False), ([(0, 1)], True), ([(0, 1)], True)]
+
+
+def test_no_padding_without_fsdp_or_when_this_rank_is_the_busiest():
+    pairs = [(0, 1), (0, 2), (1, 1)]
+    plain = list(DistPadding(FakeDist(busiest_rank_pairs=7, fsdp=False), 2).chunks(pairs, MASK))
+    assert plain == [([(0, 1), (0, 2)], False), ([(1, 1)], False)]
+    assert all(not pad for _, pad in DistPadding(FakeDist(busiest_rank_pairs=3), 2).chunks(pairs, MASK))
+    assert list(DistPadding(FakeDist(fsdp=False), 2).chunks([], MASK)) == []
+
+
+def test_padding_backward_adds_exactly_zero():
+    w = torch.ones(3, requires_grad=True)
+    DistPadding.backward_padding((w * 5.0).sum())
+    assert torch.equal(w.grad, torch.zeros(3))
+
+
+def _cfg(iterations=3, max_minutes=0.0):
+    return SimpleNamespace(run=SimpleNamespace(iterations=iterations, max_minutes=max_minutes),
+                           faults=SimpleNamespace(handle_signals=False), method="flow_grpo",
+                           objective=SimpleNamespace(name="grpo"))
+
+
+def test_run_loop_stops_at_the_iteration_count_and_on_a_signal():
+    budget = TimeBudget(0.0, 0.0, lambda: 0)
+    stats = {"reward_mean": 0.5, "nfe_rollout": 10, "seconds": {"rollout": 1.0}}
+    with RunLoop(_cfg(iterations=3), FakeDist(), budget, iteration=1) as loop:
+        assert loop.running(1) and loop.running(2) and not loop.running(3)
+        assert loop.end_iteration(stats, 2.0) and budget.iter_seconds == [2.0] and budget.fwd_rates == [10.0]
+        loop.signals.requested = "SIGTERM"
+        assert not loop.end_iteration(stats, 2.0)
+        loop.close_bar()
+    assert loop.result(2)["stopped"] == "SIGTERM" and loop.result(2)["iterations"] == 2
+
+
+def test_run_loop_stops_before_an_iteration_the_budget_cannot_fit():
+    budget = TimeBudget(1.0, 0.0, lambda: 10**9)  # 1 minute, created at the epoch: long over
+    budget.record(1.0, 10, 1.0)
+    loop = RunLoop(_cfg(iterations=100), FakeDist(), budget, iteration=0)
+    assert not loop.running(5) and loop.result(5)["stopped_by_budget"] is True
+    loop.close_bar()
