@@ -49,6 +49,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import sys
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -60,6 +61,7 @@ from .annotations import _default, _has_default, _init_fields, _is_union, _type_
 from .build import from_dict
 from .files import _looks_like_path, _preset_files, _unknown_preset, list_presets, load_yaml
 from .keys import ConfigError, _is_under, _join
+from .keys import _display_path as _display
 from .overrides import _apply_overrides, apply_overrides
 from .ranges import check_ranges, range_text
 
@@ -91,6 +93,7 @@ def load_config(
     path_or_name: str | os.PathLike | None = None,
     overrides: Iterable[str] = (),
     preset_dirs: Iterable[str | os.PathLike] = (),
+    migrate: bool = False,
 ) -> T:
     """YAML file or preset (if any) + dotlist overrides -> validated dataclass `cls`.
 
@@ -100,6 +103,8 @@ def load_config(
             None means "dataclass defaults".
         overrides: ``key=value`` strings applied after the file (see `apply_overrides`).
         preset_dirs: directories of named presets, searched in order.
+        migrate: the file is a resolved config written by an older version (a run's config.yaml): move its old
+            flat keys to their new places first (`registry.migrate_moved_keys`; one stderr note per key).
 
     Example::
 
@@ -128,6 +133,13 @@ def load_config(
                 raise _unknown_preset(name, preset_dirs)
             path = found
         data, sources = load_yaml(path, preset_dirs=preset_dirs)
+        if migrate:
+            from .registry import migrate_moved_keys
+
+            data, notes = migrate_moved_keys(cls, data)
+            if notes:
+                print(f"note: {_display(path)} was written by an older flowcredit; read with {'; '.join(notes)}",
+                      file=sys.stderr)
 
     data, override_sources = _apply_overrides(data, overrides)
     for key in override_sources:  # an override replaces the whole subtree the file had set

@@ -43,7 +43,8 @@ def resolve_train_config(args: list[str]) -> tuple[TrainConfig, str]:
                 f"resume={run_dir}: no config.yaml there; give a run folder written by `flowcredit train`"
             )
         overrides = [o for o in overrides if not o.startswith("resume=")] + [f"run.out_dir={run_dir}"]
-        cfg = load_config(TrainConfig, str(run_dir / "config.yaml"), overrides, preset_dirs=[PRESET_DIR])
+        # migrate=True: a run started by an older flowcredit resumes (its old flat option keys are moved)
+        cfg = load_config(TrainConfig, str(run_dir / "config.yaml"), overrides, preset_dirs=[PRESET_DIR], migrate=True)
         return cfg, run_dir.name
     if presets:
         preset = presets[0]
