@@ -249,6 +249,13 @@ class OptimCfg:
     kl_beta: float = _h(
         0.0, "β of the KL to the reference model (Flow-GRPO: 0.04 GenEval); 0 skips the reference forward.", ge=0
     )
+    lr_schedule: Literal["constant", "cosine", "linear"] = _h(
+        "constant",
+        "Learning-rate schedule over the run's progress p = max(iteration / run.iterations, fraction of the training "
+        "time of run.budget_minutes used): constant, cosine or linear decay from lr to lr·lr_final.",
+    )
+    lr_final: float = _h(0.1, "Final learning rate as a fraction of optim.lr (cosine / linear schedules).", ge=0, le=1)
+    warmup_iters: int = _h(0, "Linear warm-up of the learning rate over the first N iterations (0 = none).", ge=0)
     inner_epochs: int = _h(1, "Passes over each rollout batch (PPO epochs).", ge=1)
     updates_per_epoch: int = _h(
         1, "Optimizer steps per pass (the batch is split into this many gradient-accumulation chunks).", ge=1

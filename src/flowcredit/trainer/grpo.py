@@ -56,7 +56,7 @@ from .distributed import (
 )
 from .evaluation import RunEvaluation
 from .faults import NonFiniteGuard, RetryingCall, first_nonfinite, inject_point
-from .harness import DistPadding, EMAWeights, HackingGuard, PhaseTimer, RunLoop, TimeBudget
+from .harness import DistPadding, EMAWeights, HackingGuard, LRSchedule, PhaseTimer, RunLoop, TimeBudget
 from .intermediate import intermediate_rewards
 from .loggers import check_logger_names, save_grid, write_metrics
 from .preflight import check_memory
@@ -157,6 +157,7 @@ class GRPOTrainer(CheckpointMixin):
         self.ema_weights = EMAWeights(self.trainable, cfg.optim.ema_decay)
         self.guard_ = HackingGuard.from_config(cfg.run, build_reward)
         self.budget = TimeBudget(cfg.run.budget_minutes, self.t_created, self.eval_forwards)
+        self.lr_schedule = LRSchedule(oc.lr, oc.lr_schedule, oc.lr_final, oc.warmup_iters, cfg.run.iterations)
         self.gen = torch.Generator(device="cpu").manual_seed(cfg.run.seed)
         self.timesteps = time_grid(cfg.sampler.num_steps, cfg.sampler.shift, cfg.sampler.grid)
         self.params = cfg.sampler  # the step parameters (config.schema.SamplerParams is SamplerCfg's base)
@@ -336,6 +337,10 @@ class GRPOTrainer(CheckpointMixin):
         """
         cfg, obj, oc = self.cfg, self.objective, self.cfg.optim
         on_policy = oc.inner_epochs == 1 and oc.updates_per_epoch == 1
+        if oc.lr_schedule != "constant" or oc.warmup_iters:
+            lr = self.lr_schedule(self.iteration, self.budget.progress())
+            for group in self.opt.param_groups:
+                group["lr"] = lr
         n_pairs, epochs = plan_update(
             self._gathered(adv), traj.step_mask, self.shard, seed=cfg.run.seed, iteration=self.iteration + 1,
             inner_epochs=oc.inner_epochs, updates_per_epoch=oc.updates_per_epoch,
@@ -344,6 +349,8 @@ class GRPOTrainer(CheckpointMixin):
             step_groups=self._gathered(traj.group_ids).tolist() if getattr(obj, "shares_steps_in_group", 0) else None,
         )
         out: dict[str, Any] = {"pairs_trained": n_pairs, "_nfe": 0}
+        if oc.lr_schedule != "constant" or oc.warmup_iters:
+            out["lr"] = self.opt.param_groups[0]["lr"]
         if not n_pairs:
             out.update(loss=0.0, grad_norm=0.0, skipped_update=1, **dict.fromkeys(obj.sum_keys + obj.max_keys, 0.0))
             if "ratio_mean" in obj.sum_keys:

@@ -18,6 +18,7 @@ PhaseTimer, RunLoop and DistPadding hold nothing that outlives an iteration or a
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -82,6 +83,14 @@ class TimeBudget:
         elapsed = time.time() - self.t_created
         return elapsed + statistics.median(self.iter_seconds) + self.predicted_eval_seconds() > self.budget_s
 
+    def progress(self) -> float:
+        """Fraction in [0, 1] of the training time used: elapsed / (budget − predicted evaluation); 0 without a
+        budget or before the first measurement. The learning-rate schedule reads it (`LRSchedule`)."""
+        if self.budget_s <= 0 or not self.iter_seconds or not self.fwd_rates:
+            return 0.0
+        train_s = max(self.budget_s - self.predicted_eval_seconds(), 1e-6)
+        return min(1.0, max(0.0, (time.time() - self.t_created) / train_s))
+
     def state_dict(self) -> dict[str, Any]:
         return {"iter_seconds": list(self.iter_seconds), "fwd_rates": list(self.fwd_rates)}
 
@@ -89,6 +98,36 @@ class TimeBudget:
         # the measured rates carry over; the clock is the resumed job's own (budget_minutes counts from its start)
         self.iter_seconds = [float(x) for x in state.get("iter_seconds", [])]
         self.fwd_rates = [float(x) for x in state.get("fwd_rates", [])]
+
+
+class LRSchedule:
+    """optim.lr_schedule: lr(p) over the run's progress p = max(iteration / run.iterations, budget progress).
+
+        constant: lr;  cosine: lr·[f + (1 − f)·(1 + cos πp)/2];  linear: lr·[1 − (1 − f)·p]     f = optim.lr_final
+        warm-up:  × min(1, (iteration + 1) / warmup_iters)
+
+    Reading the budget's progress as well as the iteration count makes a time-limited job decay its step size within
+    the time it has, whatever the CPU: on a slow machine the budget ends the run long before run.iterations.
+    Stateless (the iteration and the budget's measurements are in the checkpoint already).
+    """
+
+    def __init__(self, lr: float, schedule: str, final: float, warmup: int, iterations: int):
+        self.lr, self.schedule, self.final, self.warmup, self.iterations = lr, schedule, final, warmup, iterations
+
+    def __call__(self, iteration: int, budget_progress: float = 0.0) -> float:
+        """The learning rate of the update of iteration `iteration` (0-based count of finished iterations)."""
+        p = max(iteration / max(self.iterations, 1), budget_progress)
+        p = min(max(p, 0.0), 1.0)
+        f = self.final
+        if self.schedule == "cosine":
+            scale = f + (1.0 - f) * 0.5 * (1.0 + math.cos(math.pi * p))
+        elif self.schedule == "linear":
+            scale = 1.0 - (1.0 - f) * p
+        else:
+            scale = 1.0
+        if self.warmup > 0:
+            scale *= min(1.0, (iteration + 1) / self.warmup)
+        return self.lr * scale
 
 
 class EMAWeights:
