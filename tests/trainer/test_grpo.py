@@ -407,3 +407,21 @@ def test_budget_prediction_uses_the_measured_rates(tmp_path, model_path, monkeyp
     assert tr.over_budget([], []) is False  # nothing measured yet: the first iteration runs
     tr.budget.budget_s = 0.0  # harness.TimeBudget of run.budget_minutes = 0
     assert tr.over_budget([5.0], [1e-9]) is False  # no budget
+
+
+def test_lr_schedule_sets_the_optimizer_lr_each_update(tmp_path, model_path):
+    # optim.lr_schedule=cosine over run.iterations: the lr of iteration i is lr·[f + (1 − f)(1 + cos(πi/N))/2]
+    tr = make_trainer(
+        tmp_path, model_path, "run.iterations=4", "optim.lr=1e-3", "optim.lr_schedule=cosine", "optim.lr_final=0.0",
+        reward=image_mean_reward,
+    )
+    lrs = []
+    for i in range(4):
+        stats = tr.train_step()
+        tr.iteration += 1
+        lrs.append(stats["lr"])
+        assert tr.opt.param_groups[0]["lr"] == pytest.approx(stats["lr"])
+    assert lrs == pytest.approx([1e-3 * 0.5 * (1 + math.cos(math.pi * i / 4)) for i in range(4)])
+    # the constant default never touches the optimizer's lr and logs none (golden runs unchanged)
+    tr2 = make_trainer(tmp_path, model_path, "optim.lr=1e-3", reward=image_mean_reward, out="run2")
+    assert "lr" not in tr2.train_step() and tr2.opt.param_groups[0]["lr"] == 1e-3
