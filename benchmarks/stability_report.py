@@ -1,0 +1,67 @@
+"""Issue 23 item 4: does a long run of the default keep what it learns? Read a finished run folder and print the
+checks: final full-test strict vs its best periodic evaluation, the hacking guard, per-tag changes.
+
+    flowcredit train run.budget_minutes=60 run.iterations=100000 run.eval_every=100 run.gold_reward=shapes \
+        run.gold_every=50 run.checkpoint_every=200 run.grid_every=200 run.out_dir=runs/stability60
+    python benchmarks/stability_report.py runs/stability60
+
+The periodic evaluation (eval_curve.jsonl) scores run.eval_subset tag-balanced held-out prompts with the EMA weights;
+the final one (eval.json) the whole held-out split, trained and shipped model on the same noise. Criteria (issue 23):
+final strict ≥ best periodic strict − 0.03, no hacking alarm in gold.jsonl, no tag's strict accuracy down by more
+than 0.05 from the shipped model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("run", type=Path)
+    a = ap.parse_args()
+    ev = json.loads((a.run / "eval.json").read_text())
+    curve = [json.loads(x) for x in (a.run / "eval_curve.jsonl").read_text().splitlines() if x.strip()]
+    metrics = [json.loads(x) for x in (a.run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    gold_f = a.run / "gold.jsonl"
+    gold = [json.loads(x) for x in gold_f.read_text().splitlines() if x.strip()] if gold_f.exists() else []
+
+    print(f"run: {a.run}  iterations: {len(metrics)}  training seconds: {sum(m['seconds_total'] for m in metrics):.0f}")
+    print("periodic evaluation (subset): iteration: strict / reward")
+    print("  " + ", ".join(f"{c['iteration']}: {c['eval_strict']:.3f} / {c['eval_reward']:.3f}" for c in curve))
+    best = max(curve[1:] or curve, key=lambda c: c["eval_strict"])
+    final = ev["trained"]["geneval"]["strict"]["overall"]
+    base = ev["base"]["geneval"]["strict"]["overall"]
+    ok_keep = final >= best["eval_strict"] - 0.03
+    print(f"final full-test strict {final:.3f} (shipped {base:.3f}, Δ {final - base:+.3f}); best periodic "
+          f"{best['eval_strict']:.3f} at iteration {best['iteration']}: final ≥ best − 0.03: {'yes' if ok_keep else 'NO'}")
+    print(f"final full-test mean reward {ev['trained']['reward_mean']:.3f} (shipped {ev['base']['reward_mean']:.3f}, "
+          f"Δ {ev['trained']['reward_mean'] - ev['base']['reward_mean']:+.3f})")
+    alarms = [g for g in gold if g.get("alarm")]
+    if gold:
+        print(f"gold reward ({len(gold)} points): first {gold[0]['gold/mean']:.3f}, last {gold[-1]['gold/mean']:.3f}, "
+              f"max {max(g['gold/mean'] for g in gold):.3f}; alarms: {len(alarms)}"
+              + (f" (first at iteration {alarms[0]['iteration']}: {alarms[0].get('message', '')})" if alarms else ""))
+    else:
+        print("gold reward: not configured (run.gold_reward)")
+    worst = 0.0
+    parts = []
+    for tag, t in ev["trained"]["geneval"]["strict"]["tags"].items():
+        b = ev["base"]["geneval"]["strict"]["tags"][tag]["accuracy"]
+        d = t["accuracy"] - b
+        worst = min(worst, d)
+        parts.append(f"{tag} {b:.2f}→{t['accuracy']:.2f} ({d:+.2f})")
+    print("strict per tag, shipped → RL: " + ", ".join(parts))
+    print(f"largest tag loss {worst:+.2f}: no tag down by more than 0.05: {'yes' if worst >= -0.05 else 'NO'}")
+    blocks = [metrics[i : i + 100] for i in range(0, len(metrics), 100)]
+    print("training, mean per 100 iterations: reward / strict / flow-matching error of own samples / grad norm / lr")
+    for blk in blocks:
+        f = lambda k: sum(m.get(k, 0.0) or 0.0 for m in blk) / len(blk)  # noqa: E731
+        print(f"  {blk[0]['iteration']:>5}-{blk[-1]['iteration']:<5} {f('reward_mean'):.3f} {f('strict_mean'):.3f} "
+              f"{f('fm_mse'):.3f} {f('grad_norm'):.3f} {f('lr'):.2e}")
+
+
+if __name__ == "__main__":
+    main()
