@@ -28,7 +28,8 @@ def main() -> None:
     gold_f = a.run / "gold.jsonl"
     gold = [json.loads(x) for x in gold_f.read_text().splitlines() if x.strip()] if gold_f.exists() else []
 
-    print(f"run: {a.run}  iterations: {len(metrics)}  training seconds: {sum(m['seconds_total'] for m in metrics):.0f}")
+    train_s = sum(m["seconds_total"] for m in metrics)
+    print(f"run: {a.run}  iterations: {len(metrics)}  training seconds: {train_s:.0f}")
     print("periodic evaluation (subset): iteration: strict / reward")
     print("  " + ", ".join(f"{c['iteration']}: {c['eval_strict']:.3f} / {c['eval_reward']:.3f}" for c in curve))
     best = max(curve[1:] or curve, key=lambda c: c["eval_strict"])
@@ -36,7 +37,8 @@ def main() -> None:
     base = ev["base"]["geneval"]["strict"]["overall"]
     ok_keep = final >= best["eval_strict"] - 0.03
     print(f"final full-test strict {final:.3f} (shipped {base:.3f}, Δ {final - base:+.3f}); best periodic "
-          f"{best['eval_strict']:.3f} at iteration {best['iteration']}: final ≥ best − 0.03: {'yes' if ok_keep else 'NO'}")
+          f"{best['eval_strict']:.3f} at iteration {best['iteration']}: "
+          f"final ≥ best − 0.03: {'yes' if ok_keep else 'NO'}")
     print(f"final full-test mean reward {ev['trained']['reward_mean']:.3f} (shipped {ev['base']['reward_mean']:.3f}, "
           f"Δ {ev['trained']['reward_mean'] - ev['base']['reward_mean']:+.3f})")
     alarms = [g for g in gold if g.get("alarm")]
@@ -57,8 +59,11 @@ def main() -> None:
     print(f"largest tag loss {worst:+.2f}: no tag down by more than 0.05: {'yes' if worst >= -0.05 else 'NO'}")
     blocks = [metrics[i : i + 100] for i in range(0, len(metrics), 100)]
     print("training, mean per 100 iterations: reward / strict / flow-matching error of own samples / grad norm / lr")
+    def mean(blk: list[dict], k: str) -> float:
+        return sum(m.get(k, 0.0) or 0.0 for m in blk) / len(blk)
+
     for blk in blocks:
-        f = lambda k: sum(m.get(k, 0.0) or 0.0 for m in blk) / len(blk)  # noqa: E731
+        f = lambda k, blk=blk: mean(blk, k)  # noqa: E731
         print(f"  {blk[0]['iteration']:>5}-{blk[-1]['iteration']:<5} {f('reward_mean'):.3f} {f('strict_mean'):.3f} "
               f"{f('fm_mse'):.3f} {f('grad_norm'):.3f} {f('lr'):.2e}")
 
