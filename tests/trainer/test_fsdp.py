@@ -36,10 +36,20 @@ EXTRA = (
 )
 
 
+# Seen once in a full suite on a loaded 2-core machine (not in 6 reruns alone): after both ranks had finished training,
+# one rank died with SIGABRT and this line from a gloo worker thread at process teardown (the class of crash of
+# pytorch/pytorch#190489). It is not the code under test; such a run is repeated once from scratch.
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def torchrun(model_path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(Path(ds.__file__)), str(model_path), str(out), *extra]
-    proc = subprocess.run(cmd, env=ds.child_env(), capture_output=True, text=True, timeout=120)
+    for attempt in range(2):
+        proc = subprocess.run(cmd, env=ds.child_env(), capture_output=True, text=True, timeout=120)
+        if proc.returncode == 0 or GLOO_TEARDOWN_ABORT not in proc.stderr or attempt:
+            break
+        shutil.rmtree(out, ignore_errors=True)  # a clean rerun, not a resume of the aborted one
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
