@@ -43,8 +43,8 @@ def main() -> None:
           f"Δ {ev['trained']['reward_mean'] - ev['base']['reward_mean']:+.3f})")
     alarms = [g for g in gold if g.get("alarm")]
     if gold:
-        print(f"gold reward ({len(gold)} points): first {gold[0]['gold/mean']:.3f}, last {gold[-1]['gold/mean']:.3f}, "
-              f"max {max(g['gold/mean'] for g in gold):.3f}; alarms: {len(alarms)}"
+        print(f"gold reward ({len(gold)} points): first {gold[0]['gold']:.3f}, last {gold[-1]['gold']:.3f}, "
+              f"max {max(g['gold'] for g in gold):.3f}; alarms: {len(alarms)}"
               + (f" (first at iteration {alarms[0]['iteration']}: {alarms[0].get('message', '')})" if alarms else ""))
     else:
         print("gold reward: not configured (run.gold_reward)")

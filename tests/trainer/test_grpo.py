@@ -425,3 +425,16 @@ def test_lr_schedule_sets_the_optimizer_lr_each_update(tmp_path, model_path):
     # the constant default never touches the optimizer's lr and logs none (golden runs unchanged)
     tr2 = make_trainer(tmp_path, model_path, "optim.lr=1e-3", reward=image_mean_reward, out="run2")
     assert "lr" not in tr2.train_step() and tr2.opt.param_groups[0]["lr"] == 1e-3
+
+
+def test_periodic_eval_of_the_whole_split_uses_the_final_evaluations_noise(tmp_path, model_path):
+    # run.eval_subset ≥ the split: the periodic point of the last iteration and eval.json score the same weights on
+    # the same lines with the same noise, so they agree exactly (a tag-balanced reorder would change every line's noise)
+    tr = make_trainer(
+        tmp_path, model_path, "run.iterations=1", "run.eval_every=1", "run.eval_subset=100000", "run.eval_at_end=true",
+        "run.eval_baseline=false", reward=image_mean_reward,
+    )
+    result = tr.train()
+    curve = [json.loads(x) for x in (tmp_path / "run" / "eval_curve.jsonl").read_text().splitlines()]
+    assert curve[-1]["iteration"] == 1
+    assert curve[-1]["eval_reward"] == pytest.approx(result["eval"]["trained"]["reward_mean"], abs=1e-6)

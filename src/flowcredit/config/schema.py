@@ -324,7 +324,10 @@ class RunCfg:
     eval_guidance: float = _h(1.0, "CFG scale of the evaluation.", ge=0)
     eval_every: int = _h(0, "Also evaluate every N iterations on eval_subset prompts (0 = never).", ge=0)
     eval_subset: int = _h(
-        96, "Prompts of the periodic evaluation (a fixed, tag-balanced subset of eval_prompts).", ge=1
+        96,
+        "Prompts of the periodic evaluation (a fixed, tag-balanced subset of eval_prompts; at least their number = "
+        "all of them in file order, with the final evaluation's noise).",
+        ge=1,
     )
     gold_reward: str | None = _h(
         None,

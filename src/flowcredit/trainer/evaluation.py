@@ -71,7 +71,10 @@ class RunEvaluation:
 
         if not self.dist.evaluates:  # rank 0; under FSDP every rank (the forwards are collectives), rank 0 writes
             return
-        sub = tag_balanced_subset(self.prompts, self.cfg.run.eval_subset)
+        # a subset as large as the split is the split itself, in its own order: the same lines with the same noise as
+        # the final evaluation, so a periodic point and eval.json of the same weights are the same number
+        n = self.cfg.run.eval_subset
+        sub = self.prompts if n >= len(self.prompts) else tag_balanced_subset(self.prompts, n)
         self.model.eval()
         t0 = time.time()
         with self.ema_weights.swapped_in(self.trainable):
