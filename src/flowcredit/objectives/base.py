@@ -85,7 +85,11 @@ class LossOut:
 
 
 class Objective(Protocol):
-    """One training objective. Instances are built once per run from their options dataclass."""
+    """One training objective. Instances are built once per run from their options dataclass.
+
+    Optional attribute: `shares_steps_in_group` (bool, default False when absent): the trainer then plans the same
+    trained steps for every member of a prompt group (nft's `crn`, ALGORITHMS.md §9.1).
+    """
 
     #: True when the loss needs the SDE step log-probs of the rollout (the rollout must have σ > 0 on trained steps).
     needs_log_probs: bool

@@ -87,7 +87,7 @@ def nft_optimality(adv: Tensor, m: float, adv_mode: str = "all") -> Tensor:
     elif adv_mode == "binary":
         a = torch.sign(a)
     elif adv_mode != "all":
-        raise ValueError(f"objective.options.adv_mode: unknown {adv_mode!r}; use all|positive_only|binary")
+        raise ValueError(f"objective.options.adv_mode: {adv_mode!r}; use all|positive_only|negative_only|binary")
     return (a / m / 2.0 + 0.5).clamp(0.0, 1.0)
 
 
@@ -137,7 +137,7 @@ class NFTObjective:
     def __init__(self, options: NFTOptions):
         self.options = options
         self.fp = ForwardProcess(options.noise, options.crn)
-        self.shares_steps_in_group = options.crn
+        self.shares_steps_in_group: bool = options.crn
 
     def skip_zero_advantage(self, on_policy: bool, kl_beta: float) -> bool:
         # r = 1/2 gives zero gradient only at v_θ = v_old (on-policy) and without a KL term

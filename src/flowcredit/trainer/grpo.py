@@ -337,20 +337,18 @@ class GRPOTrainer(CheckpointMixin):
         """
         cfg, obj, oc = self.cfg, self.objective, self.cfg.optim
         on_policy = oc.inner_epochs == 1 and oc.updates_per_epoch == 1
-        if oc.lr_schedule != "constant" or oc.warmup_iters:
-            lr = self.lr_schedule(self.iteration, self.budget.progress())
-            for group in self.opt.param_groups:
-                group["lr"] = lr
+        lr = self.lr_schedule.apply(self.opt, self.iteration, self.budget.progress)  # None: constant, untouched
+        crn = getattr(obj, "shares_steps_in_group", False)  # optional Objective attribute (objectives/base.py)
         n_pairs, epochs = plan_update(
             self._gathered(adv), traj.step_mask, self.shard, seed=cfg.run.seed, iteration=self.iteration + 1,
             inner_epochs=oc.inner_epochs, updates_per_epoch=oc.updates_per_epoch,
             steps_per_sample=cfg.sampler.train_steps_per_sample,
             skip_zero_adv=obj.skip_zero_advantage(on_policy, oc.kl_beta),
-            step_groups=self._gathered(traj.group_ids).tolist() if getattr(obj, "shares_steps_in_group", 0) else None,
+            step_groups=self._gathered(traj.group_ids).tolist() if crn else None,
         )
         out: dict[str, Any] = {"pairs_trained": n_pairs, "_nfe": 0}
-        if oc.lr_schedule != "constant" or oc.warmup_iters:
-            out["lr"] = self.opt.param_groups[0]["lr"]
+        if lr is not None:
+            out["lr"] = lr
         if not n_pairs:
             out.update(loss=0.0, grad_norm=0.0, skipped_update=1, **dict.fromkeys(obj.sum_keys + obj.max_keys, 0.0))
             if "ratio_mean" in obj.sum_keys:

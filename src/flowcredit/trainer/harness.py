@@ -114,6 +114,16 @@ class LRSchedule:
     def __init__(self, lr: float, schedule: str, final: float, warmup: int, iterations: int):
         self.lr, self.schedule, self.final, self.warmup, self.iterations = lr, schedule, final, warmup, iterations
 
+    def apply(self, opt: Any, iteration: int, budget_progress: Callable[[], float]) -> float | None:
+        """Set the optimizer's lr for this iteration's update and return it; None (nothing touched) for a constant
+        schedule without warm-up, so such runs are bit-identical to a run without a schedule."""
+        if self.schedule == "constant" and self.warmup <= 0:
+            return None
+        lr = self(iteration, budget_progress())
+        for group in opt.param_groups:
+            group["lr"] = lr
+        return lr
+
     def __call__(self, iteration: int, budget_progress: float = 0.0) -> float:
         """The learning rate of the update of iteration `iteration` (0-based count of finished iterations)."""
         p = max(iteration / max(self.iterations, 1), budget_progress)
