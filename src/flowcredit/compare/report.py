@@ -58,7 +58,8 @@ def _band_plot(ax, study_runs, key_x, key_y, label_y, grid_max):
     ax.set_xlabel("iteration" if "iteration" in key_x else "wall-clock seconds (training)")
     ax.set_ylabel(label_y)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # a study without periodic evaluations has no eval curves
+        ax.legend(fontsize=7)
 
 
 def _run_commits_line(study: Study, out: Path) -> str:
@@ -91,6 +92,27 @@ def _reused_line(study: Study, out: Path) -> list[str]:
     return ["- reused, not retrained (identical resolved config; `--reuse`): " + "; ".join(items)]
 
 
+def _budgeted(study: Study) -> bool:
+    """Whether the study's runs stop on a time budget (run.budget_minutes > 0), so iterations is only a cap."""
+    vals = [
+        o.split("=", 1)[1]
+        for o in study.overrides + [x for r in study.runs for x in r.overrides]
+        if o.startswith("run.budget_minutes=")
+    ]
+    return any(float(v) > 0 for v in vals)
+
+
+def verdict(mean: float, half: float, n: int, arm: str, baseline: str) -> str:
+    """'arm better' / 'baseline better' only where the 95% CI of the paired difference excludes 0 (n ≥ 2)."""
+    if n < 2 or not np.isfinite(mean) or not np.isfinite(half):
+        return "too few seeds"
+    if mean - half > 0:
+        return f"{arm} better"
+    if mean + half < 0:
+        return f"{baseline} better"
+    return "cannot tell"
+
+
 def write_report(study: Study, out: Path, command: str, figure: bool = True) -> Path:
     import matplotlib
 
@@ -114,16 +136,23 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
         f"- git commit (this report): `{git_commit()}`",
         f"- git commit(s) the runs were trained at: {_run_commits_line(study, out)}",
         *_reused_line(study, out),
-        f"- seeds: {study.seeds}; iterations per run: {study.iterations}; periodic eval every {study.eval_every} "
-        f"iterations on {study.eval_subset} tag-balanced held-out prompts (ODE, run.eval_steps steps, "
-        "run.eval_guidance, fixed noise; see each run's config.yaml); final eval on the full held-out split.",
+        f"- seeds: {study.seeds}; iterations per run: {study.iterations}"
+        + (" (a cap: the runs stop on run.budget_minutes, see the iterations column)" if _budgeted(study) else "")
+        + (
+            f"; periodic eval every {study.eval_every} iterations on {study.eval_subset} tag-balanced held-out "
+            "prompts (ODE, run.eval_steps steps, run.eval_guidance, fixed noise; see each run's config.yaml)"
+            if study.eval_every
+            else "; no periodic evaluations"
+        )
+        + "; final eval on the full held-out split.",
         "- arms: "
         + "; ".join(f"**{r.name}** = `{r.preset} {' '.join(study.overrides + r.overrides)}`" for r in study.runs),
         "",
     ]
 
     # --- curves -----------------------------------------------------------------------------------------------
-    max_it = float(study.iterations)
+    ran = [float(r["iteration"][-1]) for rs in runs.values() for r in rs if len(r["iteration"])]
+    max_it = max(ran) if ran else float(study.iterations)  # a budgeted study's cap is not what the runs did
     max_sec = max((float(r["seconds"][-1]) for rs in runs.values() for r in rs if len(r["seconds"])), default=1.0)
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     _band_plot(axes[0, 0], runs, "iteration", "reward", "train reward (batch mean)", max_it)
@@ -140,15 +169,16 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
     fig.tight_layout()
     fig.savefig(out / "eval_reward.png", dpi=90)
     plt.close(fig)
-    lines += ["## Curves", "", "![curves](curves.png)", "", "![eval reward](eval_reward.png)", ""]
+    lines += ["## Curves", "", "![curves](curves.png)", ""]
+    lines += ["![eval reward](eval_reward.png)", ""] if study.eval_every else []
 
     # --- final numbers ------------------------------------------------------------------------------------------
     lines += [
         "## Final held-out evaluation (full test split)",
         "",
         "| arm | seeds | reward (mean ± 95% CI) | strict overall | Δ reward vs initial | Δ strict vs initial | Δ "
-        "strict per seed | train s (mean) |",
-        "|---|---|---|---|---|---|---|---|",
+        "strict per seed | iterations (mean) | train s (mean) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     delta = {
         name: {
@@ -160,7 +190,7 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
     for name, rs in runs.items():
         fin = [r["final"] for r in rs if r["final"]]
         if not fin:
-            lines.append(f"| {name} | 0 | – | – | – | – | – | – |")
+            lines.append(f"| {name} | 0 | – | – | – | – | – | – | – |")
             continue
         per_seed = " / ".join(f"{v:+.3f}" for _, v in sorted(delta[name]["strict_overall"].items())) or "–"
         rw = final_mean_ci([f["trained"]["reward_mean"] for f in fin])
@@ -168,18 +198,21 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
         dr = final_mean_ci([f["delta"]["reward_mean"] for f in fin if "delta" in f])
         ds = final_mean_ci([f["delta"].get("strict_overall", np.nan) for f in fin if "delta" in f])
         secs = np.mean([r["seconds"][-1] for r in rs if len(r["seconds"])])
+        its = np.mean([r["iteration"][-1] for r in rs if len(r["iteration"])])
         lines.append(
             f"| {name} | {len(fin)} | {rw[0]:.4f} ± {rw[1]:.4f} | {st[0]:.4f} ± {st[1]:.4f} | {dr[0]:+.4f} ± "
-            f"{dr[1]:.4f} | {ds[0]:+.4f} ± {ds[1]:.4f} | {per_seed} | {secs:.0f} |"
+            f"{dr[1]:.4f} | {ds[0]:+.4f} ± {ds[1]:.4f} | {per_seed} | {its:.0f} | {secs:.0f} |"
         )
     lines.append("")
     lines += [
         f"Paired by seed against **{baseline}** (runs of one seed share the prompt order, the initial noise and the "
         "evaluation noise, so the per-seed difference cancels what they have in common); mean ± 95% CI over the "
-        "paired seeds. A CI that includes 0 means the study cannot tell the arm from the baseline.",
+        "paired seeds. A CI that includes 0 means the study cannot tell the arm from the baseline; the verdict names "
+        "a winner only where the CI excludes 0.",
         "",
-        f"| arm | paired seeds | Δ strict − {baseline}'s | per seed | Δ reward − {baseline}'s |",
-        "|---|---|---|---|---|",
+        f"| arm | paired seeds | Δ strict − {baseline}'s | per seed | Δ reward − {baseline}'s | "
+        "verdict (strict; reward) |",
+        "|---|---|---|---|---|---|",
     ]
     for name in runs:
         if name == baseline or baseline not in delta:
@@ -187,45 +220,18 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
         ms, hs, seeds, ds_ = paired_difference(delta[name]["strict_overall"], delta[baseline]["strict_overall"])
         mr, hr, _, _ = paired_difference(delta[name]["reward_mean"], delta[baseline]["reward_mean"])
         if not seeds:
-            lines.append(f"| {name} | 0 | – | – | – |")
+            lines.append(f"| {name} | 0 | – | – | – | – |")
             continue
         lines.append(
             f"| {name} | {len(seeds)} | {ms:+.4f} ± {hs:.4f} | {' / '.join(f'{d:+.3f}' for d in ds_)} | {mr:+.4f} ± "
-            f"{hr:.4f} |"
+            f"{hr:.4f} | {verdict(ms, hs, len(seeds), name, baseline)}; "
+            f"{verdict(mr, hr, len(seeds), name, baseline)} |"
         )
     lines.append("")
 
     # --- time to target -----------------------------------------------------------------------------------------
-    lines += [
-        "## Time to target (periodic held-out evaluation)",
-        "",
-        "Targets are IMPROVEMENTS over the run's own iteration-0 evaluation (same prompts, same noise), so seeds "
-        "whose evaluation noise starts higher or lower compare fairly. Mean over the seeds that reached the target "
-        "(reached/seeds); ratio = arm ÷ baseline (< 1: faster).",
-        "",
-        "| curve | target Δ | arm | iterations | ratio | seconds | ratio |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for key, targets in study.targets.items():
-        for tgt in targets:
-            base_t = None
-            rows = []
-            for name, rs in runs.items():
-                gain = lambda r, key=key: r[key] - r[key][0]  # noqa: E731  (improvement over the initial model)
-                ti = summarize_times([time_to_target(r["eval_iteration"], gain(r), tgt) for r in rs if len(r[key])])
-                ts = summarize_times([time_to_target(r["eval_seconds"], gain(r), tgt) for r in rs if len(r[key])])
-                rows.append((name, ti, ts))
-                if name == baseline:
-                    base_t = (ti, ts)
-            for name, ti, ts in rows:
-                fmt = lambda s: "never" if s["mean"] is None else f"{s['mean']:.1f} ({s['reached']}/{s['seeds']})"  # noqa: E731
-                ri = ratio(ti["mean"], base_t[0]["mean"]) if base_t else None
-                rsec = ratio(ts["mean"], base_t[1]["mean"]) if base_t else None
-                lines.append(
-                    f"| {key} | {tgt} | {name} | {fmt(ti)} | {'–' if ri is None else f'{ri:.2f}'} | {fmt(ts)} | "
-                    f"{'–' if rsec is None else f'{rsec:.2f}'} |"
-                )
-    lines.append("")
+    if study.eval_every and any(study.targets.values()):
+        lines += _time_to_target(study, runs, baseline)
 
     # --- per tag -----------------------------------------------------------------------------------------------
     tags: list[str] = []
@@ -438,3 +444,38 @@ def reward_trajectory_figure(run: Path, png: Path, prompt_index: int = 0, group:
             a.axis("off")
     fig.savefig(png, dpi=90)
     plt.close(fig)
+
+
+def _time_to_target(study: Study, runs: dict[str, list[dict[str, Any]]], baseline: str) -> list[str]:
+    """The time-to-target table of the periodic evaluations (improvement over each run's iteration-0 point)."""
+    lines = [
+        "## Time to target (periodic held-out evaluation)",
+        "",
+        "Targets are IMPROVEMENTS over the run's own iteration-0 evaluation (same prompts, same noise), so seeds "
+        "whose evaluation noise starts higher or lower compare fairly. Mean over the seeds that reached the target "
+        "(reached/seeds); ratio = arm ÷ baseline (< 1: faster).",
+        "",
+        "| curve | target Δ | arm | iterations | ratio | seconds | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, targets in study.targets.items():
+        for tgt in targets:
+            base_t = None
+            rows = []
+            for name, rs in runs.items():
+                gain = lambda r, key=key: r[key] - r[key][0]  # noqa: E731  (improvement over the initial model)
+                ti = summarize_times([time_to_target(r["eval_iteration"], gain(r), tgt) for r in rs if len(r[key])])
+                ts = summarize_times([time_to_target(r["eval_seconds"], gain(r), tgt) for r in rs if len(r[key])])
+                rows.append((name, ti, ts))
+                if name == baseline:
+                    base_t = (ti, ts)
+            for name, ti, ts in rows:
+                fmt = lambda s: "never" if s["mean"] is None else f"{s['mean']:.1f} ({s['reached']}/{s['seeds']})"  # noqa: E731
+                ri = ratio(ti["mean"], base_t[0]["mean"]) if base_t else None
+                rsec = ratio(ts["mean"], base_t[1]["mean"]) if base_t else None
+                lines.append(
+                    f"| {key} | {tgt} | {name} | {fmt(ti)} | {'–' if ri is None else f'{ri:.2f}'} | {fmt(ts)} | "
+                    f"{'–' if rsec is None else f'{rsec:.2f}'} |"
+                )
+    lines.append("")
+    return lines
