@@ -56,6 +56,8 @@ BAD_VALUES = [
     ("run.gold_every=-1", "run.gold_every = -1", "must be >= 0"),
     ("run.gold_limit=0", "run.gold_limit = 0", "must be >= 1"),
     ("run.alarm_window=1", "run.alarm_window = 1", "must be >= 2"),
+    ("run.alarm_gold_drop=-0.1", "run.alarm_gold_drop = -0.1", "must be >= 0"),
+    ("run.alarm_noise_z=-1", "run.alarm_noise_z = -1.0", "must be >= 0"),
     ("data.group_size=1", "data.group_size = 1", "must be >= 2"),
     ("data.prompts_per_iter=0", "data.prompts_per_iter = 0", "must be >= 1"),
     ("data.batch_size=0", "data.batch_size = 0", "must be >= 1"),

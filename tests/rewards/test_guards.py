@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from flowcredit.rewards.guards import GoldMonitor, HackingAlarm, group_diversity, pairwise_distance, trend
+from flowcredit.rewards.guards import (
+    AlarmState,
+    GoldMonitor,
+    HackingAlarm,
+    group_diversity,
+    pairwise_distance,
+    trend,
+    trend_se,
+)
 from flowcredit.rewards.registry import build_reward
 
 
@@ -17,7 +25,12 @@ def test_gold_monitor_on_fixed_shapes_prompts():
     assert [gold.due(i) for i in range(0, 11)] == [i % 5 == 0 for i in range(11)]
 
     def perfect(prompts, meta):
-        return torch.from_numpy(np.stack([render_record(m, seed=0, index=i) for i, m in enumerate(meta)])).permute(0, 3, 1, 2).float() / 255
+        return (
+            torch.from_numpy(np.stack([render_record(m, seed=0, index=i) for i, m in enumerate(meta)]))
+            .permute(0, 3, 1, 2)
+            .float()
+            / 255
+        )
 
     rec = gold.run(0, perfect)
     assert rec.mean == 1.0 and len(rec.scores) == 4 and rec.components["strict"] == 1.0
@@ -63,7 +76,12 @@ def test_trend_and_alarm():
         if it == 10:
             assert not alarm.check().fired and "waiting" in alarm.check().message
     s = alarm.check()
-    assert s.fired and s.reasons == ["gold_down"] and s.gold_change == pytest.approx(-0.3) and s.train_change == pytest.approx(0.3)
+    assert (
+        s.fired
+        and s.reasons == ["gold_down"]
+        and s.gold_change == pytest.approx(-0.3)
+        and s.train_change == pytest.approx(0.3)
+    )
     assert "possible reward hacking" in s.message
     assert not healthy.check().fired
     d = HackingAlarm(window=4, min_points=3, diversity_drop=0.1)
@@ -71,3 +89,127 @@ def test_trend_and_alarm():
     for it in range(0, 31, 10):
         d.update_diversity(it, 0.5 - 0.01 * it)
     assert d.check().reasons == ["diversity_down"]
+
+
+# ----------------------------------------------------------------------------------------------- noise-aware gold test
+def test_gold_record_se_is_std_over_sqrt_prompts():
+    gold = GoldMonitor.from_prompts(build_reward("shapes"), "shapes:test_unique", limit=4)
+    rec = gold.evaluate(0, torch.rand(8, 3, 32, 32))  # 2 samples per prompt: still 4 independent prompts
+    assert rec.prompts == 4 and rec.se == pytest.approx(rec.std / 2.0)
+    assert gold.stats()["gold/se"] == pytest.approx(rec.se)
+    old = dict(gold.state_dict()["records"][0])
+    del old["prompts"]  # a record saved before the prompt count was kept: counts its scores
+    other = GoldMonitor(build_reward("shapes"), ["x"], [{}])
+    other.load_state_dict({"records": [old]})
+    assert other.records[0].se == pytest.approx(rec.std / 8**0.5)
+
+
+def test_trend_se_matches_the_least_squares_slope_variance():
+    xs, ses = [0.0, 10.0, 20.0, 40.0], [0.01, 0.02, 0.03, 0.015]
+    # hand computation: mean x = 17.5, xc = -17.5, -7.5, 2.5, 22.5, Σ xc² = 875
+    num = 17.5**2 * 0.01**2 + 7.5**2 * 0.02**2 + 2.5**2 * 0.03**2 + 22.5**2 * 0.015**2
+    assert trend_se(ses, xs) == pytest.approx(num**0.5 / 875.0)
+    # direct: slope = row 1 of (XᵀX)⁻¹Xᵀ y, so Var(slope) = [A diag(s²) Aᵀ]₁₁
+    x = np.array([np.ones(4), xs]).T
+    a = np.linalg.inv(x.T @ x) @ x.T
+    cov = a @ np.diag(np.square(ses)) @ a.T
+    assert trend_se(ses, xs) == pytest.approx(np.sqrt(cov[1, 1]), rel=1e-10)
+    # and by simulation of the fitted slope (torch): its spread matches
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(20000, 4, generator=g, dtype=torch.float64) * torch.tensor(ses, dtype=torch.float64)
+    slopes = torch.tensor([trend(row.tolist(), xs) for row in y[:4000]])
+    assert float(slopes.std()) == pytest.approx(trend_se(ses, xs), rel=0.05)
+    # None counts as 0 noise; equal standard errors give the textbook s / sqrt(Σ xc²); fewer than 2 points: 0
+    assert trend_se([None, 0.02, None], [0, 1, 2]) == 0.0
+    assert trend_se([0.1, 0.1, 0.1]) == pytest.approx(0.1 / 2**0.5)
+    assert trend_se([0.5]) == 0.0
+
+
+def _alarm_with(drop: float, se: float | None, noise_z: float = 2.0, **kw) -> HackingAlarm:
+    """Training reward rising; gold points at 0, 10, 20, 30 falling linearly by `drop` over the window."""
+    alarm = HackingAlarm(window=4, min_points=3, noise_z=noise_z, **kw)
+    for it in range(0, 31):
+        alarm.update_train(it, 0.3 + 0.01 * it)
+    for it in range(0, 31, 10):
+        alarm.update_gold(it, 0.6 - drop * it / 30, se=se)
+    return alarm
+
+
+def test_alarm_noise_z_zero_is_the_old_test():
+    old = _alarm_with(0.001, se=0.03, noise_z=0.0).check()  # a tiny fall, far inside the noise: fires as before
+    assert old.fired and old.reasons == ["gold_down"] and old.gold_change == pytest.approx(-0.001)
+    assert old.gold_threshold == 0.0 and old.gold_se > 0
+    assert _alarm_with(0.001, se=None).check().fired  # no standard errors known: 0 noise, the old test too
+    assert _alarm_with(0.001, se=None, gold_drop=0.01).check().fired is False
+    assert AlarmState(False, 0.0, 0.0, None, [], "").gold_threshold == 0.0  # the new fields have defaults
+    with pytest.raises(ValueError, match="noise_z"):
+        HackingAlarm(noise_z=-1.0)
+
+
+def test_alarm_gold_must_fall_by_more_than_z_standard_errors():
+    se = 0.03 / 32**0.5 * 4  # about the 32-prompt gold guard's noise
+    # x = 0, 10, 20, 30: Σ xc² = 500, SE(change) = se · sqrt(500) / 500 · 30
+    se_change = se * 500**0.5 / 500 * 30
+    small, large = 1.5 * se_change, 2.5 * se_change
+    quiet = _alarm_with(small, se).check()
+    assert not quiet.fired and quiet.gold_change == pytest.approx(-small)
+    assert quiet.gold_se == pytest.approx(se_change) and quiet.gold_threshold == pytest.approx(2 * se_change)
+    assert f"fall threshold {2 * se_change:.4f}" in quiet.message
+    loud = _alarm_with(large, se).check()
+    assert loud.fired and loud.reasons == ["gold_down"] and loud.gold_threshold == pytest.approx(2 * se_change)
+    # the absolute threshold wins when it is larger; noise_z=1 lets the smaller fall through
+    assert not _alarm_with(large, se, gold_drop=3 * se_change).check().fired
+    assert _alarm_with(small, se, noise_z=1.0).check().fired
+    # the standard errors survive a checkpoint; an old checkpoint (no gold_se) counts as 0 noise
+    restored = HackingAlarm(window=4, min_points=3)
+    restored.load_state_dict(_alarm_with(small, se).state_dict())
+    assert restored.check().gold_se == pytest.approx(se_change) and not restored.check().fired
+    legacy = {k: v for k, v in _alarm_with(small, se).state_dict().items() if k != "gold_se"}
+    restored.load_state_dict(legacy)
+    assert restored.check().gold_se == 0.0 and restored.check().fired
+    restored.update_gold(40, 0.55, se=se)  # new points after an old checkpoint keep their standard error
+    assert restored.gold_se == [None, None, None, None, se]
+
+
+def test_hacking_guard_passes_the_standard_error_to_the_alarm():
+    from flowcredit.config.schema import RunCfg
+    from flowcredit.shapes.render import render_record
+    from flowcredit.trainer.harness import HackingGuard
+
+    cfg = RunCfg(
+        gold_reward="shapes", gold_every=1, gold_limit=4, alarm_window=3, alarm_gold_drop=0.0, alarm_noise_z=2.0
+    )
+    guard = HackingGuard.from_config(cfg, build_reward)
+    assert guard is not None and guard.alarm.noise_z == 2.0 and guard.alarm.gold_drop == 0.0
+
+    def sample(correct):  # the first `correct` prompts drawn right, the others blank: scores vary, so std > 0
+        def fn(prompts, meta):
+            ok = [render_record(m, seed=0, index=i) for i, m in enumerate(meta)]
+            ims = torch.from_numpy(np.stack(ok)).permute(0, 3, 1, 2).float() / 255
+            ims[correct:] = 1.0
+            return ims
+
+        return fn
+
+    def run(g: HackingGuard) -> list:  # gold 0.75, 0.5, 0.5 on 4 prompts while the training reward rises
+        return [
+            g.step(it, {"reward_mean": 0.1 * it, "diversity": 0.2}, sample(c)) for it, c in [(1, 3), (2, 2), (3, 2)]
+        ]
+
+    lines = run(guard)
+    for line, rec in zip(lines, guard.gold.records):
+        assert line is not None and line["gold_se"] == pytest.approx(rec.std / 2.0)  # 4 prompts
+    assert [line["gold_se"] for line in lines] == pytest.approx([0.433013 / 2, 0.25, 0.25], abs=1e-5)
+    assert guard.alarm.gold_se == pytest.approx([line["gold_se"] for line in lines])
+    state = guard.alarm.check()
+    assert state.gold_change == pytest.approx(-0.25) and state.gold_se > 0.125  # one flipped image out of 4
+    assert lines[-1]["gold_threshold"] == pytest.approx(2.0 * state.gold_se) and not lines[-1]["alarm"]
+    # run.alarm_noise_z=0 (and no absolute drop): the same fall fires, as before the noise test
+    old = HackingGuard.from_config(
+        RunCfg(gold_reward="shapes", gold_every=1, gold_limit=4, alarm_window=3, alarm_noise_z=0.0), build_reward
+    )
+    assert old is not None
+    last = run(old)[-1]
+    assert last["alarm"] and last["gold_threshold"] == 0.0 and last["gold_se"] == pytest.approx(0.25)
+    off = HackingGuard.from_config(RunCfg(gold_reward="shapes", alarm_gold_drop=0.05, alarm_noise_z=0.0), build_reward)
+    assert off is not None and off.alarm.noise_z == 0.0 and off.alarm.gold_drop == 0.05

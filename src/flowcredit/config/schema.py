@@ -343,6 +343,18 @@ class RunCfg:
         "diversity) fell.",
         ge=2,
     )
+    alarm_gold_drop: float = _h(
+        0.0,
+        "Hacking alarm: gold must fall by more than this (absolute, in gold-reward units, fitted change over the "
+        "window) for the alarm to fire; the noise threshold below applies too (the larger wins).",
+        ge=0,
+    )
+    alarm_noise_z: float = _h(
+        2.0,
+        "Hacking alarm: gold must fall by more than z standard errors of its fitted change (each gold point's "
+        "standard error = std / sqrt(number of gold prompts)); 0 = any fall fires.",
+        ge=0,
+    )
 
 
 @dataclass

@@ -7,26 +7,28 @@ metrics, diversity monitors and early stopping).
 - `pairwise_distance` / `group_diversity`: mean pairwise L2 distance of the samples of each prompt group, on pixels
   (RMS per element, so resolution-free) or on features you pass (e.g. CLIP embeddings). Collapsing diversity is the
   usual sign of mode collapse ("identical faces", flow_grpo#233 grid artifacts).
-- `trend`: least-squares slope; `HackingAlarm`: fires when, over the last `window` gold evaluations, the fitted
-  training reward rose by more than `train_rise` while the fitted gold reward fell by more than `gold_drop` (and,
-  if diversity is fed, optionally when diversity fell by more than `diversity_drop`).
+- `trend`: least-squares slope; `trend_se`: its standard error for independent points of known standard errors;
+  `HackingAlarm`: fires when, over the last `window` gold evaluations, the fitted training reward rose by more than
+  `train_rise` while the fitted gold reward fell by more than max(`gold_drop`, `noise_z` standard errors of that
+  fitted fall) (and, if diversity is fed, optionally when diversity fell by more than `diversity_drop`).
 
 All are plain Python / torch, no trainer dependency. Typical use:
 
     gold = GoldMonitor.from_prompts(build_reward("shapes"), "shapes:test_unique", every=10, limit=32)
-    alarm = HackingAlarm(window=5)
+    alarm = HackingAlarm(window=5, noise_z=2.0)
     ...
     alarm.update_train(it, stats["reward_mean"])
     alarm.update_diversity(it, float(group_diversity(images, group_ids).mean()))
     if gold.due(it):
         rec = gold.run(it, lambda prompts, meta: sample(model, prompts))   # images (N, 3, H, W) in [0, 1]
-        alarm.update_gold(it, rec.mean)
+        alarm.update_gold(it, rec.mean, se=rec.se)                          # se = std / sqrt(prompts)
         state = alarm.check()
         if state.fired: log(state.message)                                  # or stop / roll back
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -40,11 +42,23 @@ from .base import check_output
 # ------------------------------------------------------------------------------------------------ gold reward
 @dataclass
 class GoldRecord:
+    """One gold evaluation: mean and (population) std of the scores over the images, the per-image scores, the mean
+    of each component and `prompts`, the number of fixed prompts scored (0 in records saved before it was kept)."""
+
     iteration: int
     mean: float
     std: float
     scores: list[float]
     components: dict[str, float] = field(default_factory=dict)
+    prompts: int = 0
+
+    @property
+    def se(self) -> float | None:
+        """Standard error of `mean`: std / sqrt(number of prompts) (several samples of one prompt are not counted as
+        independent, so with k > 1 samples per prompt it errs large); falls back to the number of scores for old
+        records, None when there is nothing to count."""
+        n = self.prompts or len(self.scores)
+        return self.std / math.sqrt(n) if n > 0 else None
 
 
 class GoldMonitor:
@@ -98,6 +112,7 @@ class GoldMonitor:
             float(s.std(unbiased=False)),
             s.tolist(),
             {c: float(v.mean()) for c, v in out.components.items()},
+            prompts=p,
         )
         self.records.append(rec)
         return rec
@@ -110,13 +125,14 @@ class GoldMonitor:
         return [r.iteration for r in self.records], [r.mean for r in self.records]
 
     def stats(self) -> dict[str, float]:
-        """The latest record as flat log entries (`gold/mean`, `gold/std`, `gold/<component>`)."""
+        """The latest record as flat log entries (`gold/mean`, `gold/std`, `gold/se`, `gold/<component>`)."""
         if not self.records:
             return {}
         r = self.records[-1]
         return {
             f"{self.name}/mean": r.mean,
             f"{self.name}/std": r.std,
+            **({f"{self.name}/se": r.se} if r.se is not None else {}),
             **{f"{self.name}/{k}": v for k, v in r.components.items()},
         }
 
@@ -184,6 +200,23 @@ def trend(values: Sequence[float], xs: Sequence[float] | None = None) -> float:
     return float((xc * (y - y.mean())).sum() / den) if den > 0 else 0.0
 
 
+def trend_se(ses: Sequence[float | None], xs: Sequence[float] | None = None) -> float:
+    """Standard error of `trend`'s least-squares slope when the points are independent with standard errors `ses`
+    (None = 0): the slope is Σ w_i y_i with w_i = xc_i / Σ xc², xc = x − mean x, so its SE is
+    sqrt(Σ xc_i² s_i²) / Σ xc². 0 for fewer than 2 points."""
+    s = torch.as_tensor([0.0 if v is None else float(v) for v in ses], dtype=torch.float64)
+    if s.numel() < 2:
+        return 0.0
+    x = (
+        torch.as_tensor(list(xs), dtype=torch.float64)
+        if xs is not None
+        else torch.arange(s.numel(), dtype=torch.float64)
+    )
+    xc = x - x.mean()
+    den = float((xc * xc).sum())
+    return float((xc * xc * s * s).sum().sqrt() / den) if den > 0 else 0.0
+
+
 @dataclass
 class AlarmState:
     fired: bool
@@ -192,18 +225,25 @@ class AlarmState:
     diversity_change: float | None
     reasons: list[str]
     message: str
+    gold_se: float = 0.0  # standard error of gold_change (points without a standard error count as exact)
+    gold_threshold: float = 0.0  # gold_change had to be below −gold_threshold = −max(gold_drop, noise_z · gold_se)
 
 
 class HackingAlarm:
     """Fires when the training reward trends up while the gold reward trends down (over the last `window` gold points).
 
     Changes are fitted slopes × the window's iteration span, i.e. how much the linear fit rose or fell across the
-    window. The alarm fires when train_change > train_rise and gold_change < −gold_drop; with `diversity_drop` set and
-    diversity fed, also when diversity_change < −diversity_drop while train_change > train_rise.
+    window. The alarm fires when train_change > train_rise and gold_change < −max(gold_drop, noise_z · gold_se), where
+    gold_se = `trend_se` × span is the standard error of gold_change from the standard errors passed to `update_gold`
+    (a gold mean over 32 prompts moves by ≈ 0.03 when one image flips, so at a plateau a fitted fall below a zero
+    threshold is a coin flip); with `diversity_drop` set and diversity fed, also when diversity_change <
+    −diversity_drop while train_change > train_rise.
 
     Args:
         window: gold points per check (>= 2); min_points: points needed before it can fire.
         train_rise, gold_drop, diversity_drop: thresholds (in reward / distance units).
+        noise_z: how many standard errors of its fitted change gold must fall by (0 = any fall below −gold_drop fires,
+            the behaviour before the noise test; so does a window whose points have no standard error).
     """
 
     def __init__(
@@ -213,20 +253,34 @@ class HackingAlarm:
         train_rise: float = 0.0,
         gold_drop: float = 0.0,
         diversity_drop: float | None = None,
+        noise_z: float = 2.0,
     ):
         if window < 2 or min_points < 2:
             raise ValueError("HackingAlarm: window and min_points must be >= 2")
+        if not noise_z >= 0:
+            raise ValueError(f"HackingAlarm: noise_z must be >= 0, got {noise_z}")
         self.window, self.min_points = int(window), int(min_points)
         self.train_rise, self.gold_drop, self.diversity_drop = float(train_rise), float(gold_drop), diversity_drop
+        self.noise_z = float(noise_z)
         self.train: list[tuple[int, float]] = []
         self.gold: list[tuple[int, float]] = []
+        self.gold_se: list[float | None] = []  # standard error of each gold point, aligned with self.gold
         self.diversity: list[tuple[int, float]] = []
 
     def update_train(self, iteration: int, value: float) -> None:
         self.train.append((int(iteration), float(value)))
 
-    def update_gold(self, iteration: int, value: float) -> None:
+    def update_gold(self, iteration: int, value: float, se: float | None = None) -> None:
+        """A gold point and its standard error (e.g. `GoldRecord.se` = std / sqrt(prompts); None = unknown, counted
+        as 0)."""
+        self._align_gold_se()
         self.gold.append((int(iteration), float(value)))
+        self.gold_se.append(None if se is None else float(se))
+
+    def _align_gold_se(self) -> None:
+        # gold points set without a standard error (assigned directly, old checkpoints) count as exact
+        n = len(self.gold)
+        self.gold_se = (self.gold_se + [None] * n)[:n]
 
     def update_diversity(self, iteration: int, value: float) -> None:
         self.diversity.append((int(iteration), float(value)))
@@ -243,29 +297,48 @@ class HackingAlarm:
         gold = self.gold[-self.window :]
         if len(gold) < self.min_points:
             return AlarmState(
-                False, 0.0, 0.0, None, [], f"waiting for {self.min_points} gold points ({len(gold)} so far)"
+                False,
+                0.0,
+                0.0,
+                None,
+                [],
+                f"waiting for {self.min_points} gold points ({len(gold)} so far)",
+                gold_threshold=self.gold_drop,
             )
         lo, hi = gold[0][0], gold[-1][0]
         g, _ = self._change(gold, lo, hi)
+        self._align_gold_se()
+        g_se = trend_se(self.gold_se[-len(gold) :], [i for i, _ in gold]) * (hi - lo)
+        noise = self.noise_z * g_se
+        g_thr = max(self.gold_drop, noise) if noise > 0 else self.gold_drop
         t, nt = self._change(self.train, lo, hi)
         d = self._change(self.diversity, lo, hi)[0] if self.diversity else None
         reasons = []
         rising = nt >= 2 and t > self.train_rise
-        if rising and g < -self.gold_drop:
+        if rising and g < -g_thr:
             reasons.append("gold_down")
         if rising and d is not None and self.diversity_drop is not None and d < -self.diversity_drop:
             reasons.append("diversity_down")
         msg = (
-            f"iterations {lo}-{hi}: train reward {t:+.4f}, gold {g:+.4f}"
+            f"iterations {lo}-{hi}: train reward {t:+.4f}, gold {g:+.4f} "
+            f"(fall threshold {g_thr:.4f}; noise {self.noise_z:g} x SE {g_se:.4f})"
             + (f", diversity {d:+.4f}" if d is not None else "")
             + (f" -> possible reward hacking ({', '.join(reasons)})" if reasons else "")
         )
-        return AlarmState(bool(reasons), t, g, d, reasons, msg)
+        return AlarmState(bool(reasons), t, g, d, reasons, msg, gold_se=g_se, gold_threshold=g_thr)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"train": list(self.train), "gold": list(self.gold), "diversity": list(self.diversity)}
+        self._align_gold_se()
+        return {
+            "train": list(self.train),
+            "gold": list(self.gold),
+            "gold_se": list(self.gold_se),
+            "diversity": list(self.diversity),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.train = [tuple(p) for p in state.get("train", [])]
         self.gold = [tuple(p) for p in state.get("gold", [])]
+        self.gold_se = [None if v is None else float(v) for v in state.get("gold_se", [])]
+        self._align_gold_se()  # checkpoints from before the noise test: no standard errors
         self.diversity = [tuple(p) for p in state.get("diversity", [])]

@@ -184,7 +184,9 @@ class HackingGuard:
 
     `step` feeds the alarm with the training reward and diversity every iteration; when the gold reward is due it
     calls `sample_fn(prompts, metadata) -> images` (the trainer samples with the EMA weights) and returns the
-    gold.jsonl line (with the alarm state), else None.
+    gold.jsonl line (with the alarm state), else None. Each gold point carries its standard error std / sqrt(prompts)
+    (`gold_se`), and gold must fall by more than max(run.alarm_gold_drop, run.alarm_noise_z standard errors of its
+    fitted change) (`gold_threshold`) for the alarm to fire.
     """
 
     def __init__(self, gold: Any, alarm: Any):
@@ -199,7 +201,10 @@ class HackingGuard:
         gold = GoldMonitor.from_prompts(
             build_reward(run_cfg.gold_reward), run_cfg.gold_prompts, every=run_cfg.gold_every, limit=run_cfg.gold_limit
         )
-        return cls(gold, HackingAlarm(window=run_cfg.alarm_window))
+        alarm = HackingAlarm(
+            window=run_cfg.alarm_window, gold_drop=run_cfg.alarm_gold_drop, noise_z=run_cfg.alarm_noise_z
+        )
+        return cls(gold, alarm)
 
     def step(self, iteration: int, stats: dict[str, Any], sample_fn: Callable) -> dict[str, Any] | None:
         self.alarm.update_train(iteration, stats["reward_mean"])
@@ -207,11 +212,13 @@ class HackingGuard:
         if not self.gold.due(iteration):
             return None
         rec = self.gold.run(iteration, sample_fn)
-        self.alarm.update_gold(iteration, rec.mean)
+        self.alarm.update_gold(iteration, rec.mean, se=rec.se)
         state = self.alarm.check()
         return {
             "iteration": iteration,
             "gold": rec.mean,
+            "gold_se": rec.se,  # of this point: std / sqrt(prompts)
+            "gold_threshold": state.gold_threshold,  # the fitted gold change had to be below minus this to fire
             "train_reward": stats["reward_mean"],
             "diversity": stats["diversity"],
             "alarm": state.fired,
