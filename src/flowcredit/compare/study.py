@@ -227,7 +227,8 @@ def execute(
     With `reuse` folders, a not-yet-started run identical to a finished one there is copied (exit code 0)."""
     out.mkdir(parents=True, exist_ok=True)
     threads = threads or max(1, (os.cpu_count() or 2) // max(1, parallel))
-    todo = [(r, s) for r in study.runs for s in study.seeds if not (run_dir(out, r, s) / "eval.json").exists()]
+    # seed-major: a study stopped part-way has every arm of its first seeds, which pair with each other
+    todo = [(r, s) for s in study.seeds for r in study.runs if not (run_dir(out, r, s) / "eval.json").exists()]
     done = len(study.runs) * len(study.seeds) - len(todo)
     results: list[tuple[str, int]] = []
     if reuse:
