@@ -106,3 +106,10 @@ def test_identity_treats_auto_precision_as_what_it_resolves_to():
     other = TrainConfig()
     other.model.precision = "fp32" if resolved.model.precision == "bf16" else "bf16"
     assert _identity(auto) != _identity(other)
+
+
+def test_git_commit_is_the_code_s_repository_not_the_current_directory(tmp_path, monkeypatch):
+    """A study started outside the checkout (e.g. from a scratch folder) still records which code ran."""
+    inside = git_commit()
+    monkeypatch.chdir(tmp_path)  # not a git repository
+    assert git_commit() == inside

@@ -193,11 +193,16 @@ def reused_from(d: Path) -> str | None:
 
 
 def git_commit() -> str:
-    """HEAD of the working tree's repository, '+dirty' when tracked files differ from it; 'unknown' outside git."""
+    """HEAD of the repository the running flowcredit code lives in (not the current directory's: a study started
+    from elsewhere still records the code it ran), '+dirty' when tracked files differ from it; 'unknown' when the
+    package is not in a git checkout (an installed wheel) or git is missing."""
+    src = str(Path(__file__).resolve().parent)
     try:
-        head = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+        head = subprocess.check_output(
+            ["git", "-C", src, "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL
+        ).strip()
         dirty = subprocess.check_output(
-            ["git", "status", "--porcelain", "--untracked-files=no"], text=True, stderr=subprocess.DEVNULL
+            ["git", "-C", src, "status", "--porcelain", "--untracked-files=no"], text=True, stderr=subprocess.DEVNULL
         ).strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):  # no git, or not a repository
