@@ -11,6 +11,7 @@ from flowcredit.rewards.guards import (
     GoldMonitor,
     HackingAlarm,
     group_diversity,
+    paired_change_se,
     pairwise_distance,
     trend,
     trend_se,
@@ -213,3 +214,41 @@ def test_hacking_guard_passes_the_standard_error_to_the_alarm():
     assert last["alarm"] and last["gold_threshold"] == 0.0 and last["gold_se"] == pytest.approx(0.25)
     off = HackingGuard.from_config(RunCfg(gold_reward="shapes", alarm_gold_drop=0.05, alarm_noise_z=0.0), build_reward)
     assert off is not None and off.alarm.noise_z == 0.0 and off.alarm.gold_drop == 0.05
+
+
+def test_paired_change_se_by_hand_and_against_the_independent_one():
+    # 3 points (x = 0, 1, 2: Σ xc² = 2, span 2) on 4 images: per-image changes 0, 0, −1, 0 → std 0.5, SE 0.25
+    scores = [[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]]
+    assert paired_change_se(scores, [0, 1, 2]) == pytest.approx(0.5 / 2.0)
+    # the per-image changes' mean is the fitted change of the means (least squares is linear)
+    ch = [trend([r[i] for r in scores], [0, 1, 2]) * 2 for i in range(4)]
+    assert np.mean(ch) == pytest.approx(trend([np.mean(r) for r in scores], [0, 1, 2]) * 2)
+    # missing or ragged score lists: no paired SE (the alarm then uses trend_se)
+    assert paired_change_se([scores[0], None, scores[2]], [0, 1, 2]) is None
+    assert paired_change_se([scores[0], scores[1][:3]], [0, 1]) is None
+    # fixed prompts and noise: images differ a lot from each other but little over time; every image falls by 0.02,
+    # so the fall is certain, which the paired SE sees (0) and the independent SE (std/sqrt(n) per point) does not
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0.0, 1.0, size=64)
+    pts = [(base - 0.01 * k).tolist() for k in range(3)]
+    xs = [0, 50, 100]
+    assert paired_change_se(pts, xs) == pytest.approx(0.0, abs=1e-12)
+    independent = trend_se([float(np.std(p) / 8) for p in pts], xs) * 100
+    assert independent > 0.05
+    alarm = HackingAlarm(window=3, min_points=3)
+    for it, p in zip(xs, pts):
+        alarm.update_train(it, it / 100)
+        alarm.update_gold(it, float(np.mean(p)), se=float(np.std(p) / 8), scores=p)
+    st = alarm.check()
+    assert st.fired and st.gold_change == pytest.approx(-0.02) and "paired SE" in st.message
+    blind = HackingAlarm(window=3, min_points=3)  # the same points without scores: the fall hides in the spread
+    for it, p in zip(xs, pts):
+        blind.update_train(it, it / 100)
+        blind.update_gold(it, float(np.mean(p)), se=float(np.std(p) / 8))
+    assert not blind.check().fired
+    # only the last `window` score lists are kept (checkpoint size), and they survive a checkpoint
+    alarm.update_gold(150, 0.5, se=0.01, scores=pts[0])
+    assert alarm.gold_scores[0] is None and alarm.gold_scores[-1] == pts[0]
+    again = HackingAlarm(window=3, min_points=3)
+    again.load_state_dict(alarm.state_dict())
+    assert again.gold_scores == alarm.gold_scores and again.check().gold_se == pytest.approx(alarm.check().gold_se)

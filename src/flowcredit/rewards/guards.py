@@ -217,6 +217,28 @@ def trend_se(ses: Sequence[float | None], xs: Sequence[float] | None = None) -> 
     return float((xc * xc * s * s).sum().sqrt() / den) if den > 0 else 0.0
 
 
+def paired_change_se(scores: Sequence[Sequence[float] | None], xs: Sequence[float]) -> float | None:
+    """Standard error of the fitted change (slope × span) of a mean over the SAME images at every point: each image's
+    own least-squares change c_i across the points, SE = std(c_i) / sqrt(n) (n images). The gold prompts and their
+    noise are fixed, so consecutive gold means share most of their images' scores; this paired SE counts only what
+    changes, where the independent one (`trend_se`) counts each point's whole spread. None unless every point has
+    scores of one length n ≥ 2 (then use `trend_se`)."""
+    rows = [list(s) for s in scores if s is not None]
+    if len(rows) < 2 or len(rows) != len(scores):
+        return None
+    n = len(rows[0])
+    if n < 2 or any(len(r) != n for r in rows):
+        return None
+    y = torch.as_tensor(rows, dtype=torch.float64)  # (points, n)
+    x = torch.as_tensor(list(xs), dtype=torch.float64)
+    xc = x - x.mean()
+    den = float((xc * xc).sum())
+    if den <= 0:
+        return None
+    change = (xc[:, None] * (y - y.mean(0))).sum(0) / den * float(x.max() - x.min())  # (n,) per-image change
+    return float(change.std(unbiased=True) / math.sqrt(n))
+
+
 @dataclass
 class AlarmState:
     fired: bool
@@ -265,22 +287,32 @@ class HackingAlarm:
         self.train: list[tuple[int, float]] = []
         self.gold: list[tuple[int, float]] = []
         self.gold_se: list[float | None] = []  # standard error of each gold point, aligned with self.gold
+        self.gold_scores: list[list[float] | None] = []  # per-image scores of the last `window` gold points
         self.diversity: list[tuple[int, float]] = []
 
     def update_train(self, iteration: int, value: float) -> None:
         self.train.append((int(iteration), float(value)))
 
-    def update_gold(self, iteration: int, value: float, se: float | None = None) -> None:
-        """A gold point and its standard error (e.g. `GoldRecord.se` = std / sqrt(prompts); None = unknown, counted
-        as 0)."""
+    def update_gold(
+        self, iteration: int, value: float, se: float | None = None, scores: Sequence[float] | None = None
+    ) -> None:
+        """A gold point, its standard error (e.g. `GoldRecord.se` = std / sqrt(prompts); None = unknown, counted
+        as 0) and optionally its per-image scores (`GoldRecord.scores`: the same fixed prompts and noise in the same
+        order at every point). With scores at every point of a window the change's standard error is the paired one
+        (`paired_change_se`), which cancels what the points share; only the last `window` score lists are kept."""
         self._align_gold_se()
         self.gold.append((int(iteration), float(value)))
         self.gold_se.append(None if se is None else float(se))
+        self.gold_scores.append(None if scores is None else [float(x) for x in scores])
+        keep = len(self.gold) - self.window
+        for i in range(max(0, keep)):
+            self.gold_scores[i] = None
 
     def _align_gold_se(self) -> None:
         # gold points set without a standard error (assigned directly, old checkpoints) count as exact
         n = len(self.gold)
         self.gold_se = (self.gold_se + [None] * n)[:n]
+        self.gold_scores = (self.gold_scores + [None] * n)[:n]
 
     def update_diversity(self, iteration: int, value: float) -> None:
         self.diversity.append((int(iteration), float(value)))
@@ -308,7 +340,9 @@ class HackingAlarm:
         lo, hi = gold[0][0], gold[-1][0]
         g, _ = self._change(gold, lo, hi)
         self._align_gold_se()
-        g_se = trend_se(self.gold_se[-len(gold) :], [i for i, _ in gold]) * (hi - lo)
+        xs = [i for i, _ in gold]
+        paired = paired_change_se(self.gold_scores[-len(gold) :], xs)
+        g_se = paired if paired is not None else trend_se(self.gold_se[-len(gold) :], xs) * (hi - lo)
         noise = self.noise_z * g_se
         g_thr = max(self.gold_drop, noise) if noise > 0 else self.gold_drop
         t, nt = self._change(self.train, lo, hi)
@@ -321,7 +355,8 @@ class HackingAlarm:
             reasons.append("diversity_down")
         msg = (
             f"iterations {lo}-{hi}: train reward {t:+.4f}, gold {g:+.4f} "
-            f"(fall threshold {g_thr:.4f}; noise {self.noise_z:g} x SE {g_se:.4f})"
+            f"(fall threshold {g_thr:.4f}; noise {self.noise_z:g} x {'paired ' if paired is not None else ''}SE "
+            f"{g_se:.4f})"
             + (f", diversity {d:+.4f}" if d is not None else "")
             + (f" -> possible reward hacking ({', '.join(reasons)})" if reasons else "")
         )
@@ -333,6 +368,7 @@ class HackingAlarm:
             "train": list(self.train),
             "gold": list(self.gold),
             "gold_se": list(self.gold_se),
+            "gold_scores": list(self.gold_scores),
             "diversity": list(self.diversity),
         }
 
@@ -340,5 +376,6 @@ class HackingAlarm:
         self.train = [tuple(p) for p in state.get("train", [])]
         self.gold = [tuple(p) for p in state.get("gold", [])]
         self.gold_se = [None if v is None else float(v) for v in state.get("gold_se", [])]
+        self.gold_scores = [None if v is None else [float(x) for x in v] for v in state.get("gold_scores", [])]
         self._align_gold_se()  # checkpoints from before the noise test: no standard errors
         self.diversity = [tuple(p) for p in state.get("diversity", [])]

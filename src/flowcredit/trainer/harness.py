@@ -212,7 +212,7 @@ class HackingGuard:
         if not self.gold.due(iteration):
             return None
         rec = self.gold.run(iteration, sample_fn)
-        self.alarm.update_gold(iteration, rec.mean, se=rec.se)
+        self.alarm.update_gold(iteration, rec.mean, se=rec.se, scores=rec.scores)
         state = self.alarm.check()
         return {
             "iteration": iteration,
