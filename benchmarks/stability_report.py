@@ -3,12 +3,17 @@ checks: final full-test strict vs its best periodic evaluation, the hacking guar
 
     flowcredit train run.budget_minutes=60 run.iterations=100000 run.eval_every=100 run.gold_reward=shapes \
         run.gold_every=50 run.checkpoint_every=200 run.grid_every=200 run.out_dir=runs/stability60
-    python benchmarks/stability_report.py runs/stability60
+    python benchmarks/stability_report.py runs/stability60 [--replay-alarm]
 
 The periodic evaluation (eval_curve.jsonl) scores run.eval_subset tag-balanced held-out prompts with the EMA weights;
 the final one (eval.json) the whole held-out split, trained and shipped model on the same noise. Criteria (issue 23):
 final strict ≥ best periodic strict − 0.03, no hacking alarm in gold.jsonl, no tag's strict accuracy down by more
 than 0.05 from the shipped model.
+
+--replay-alarm re-runs the hacking alarm of the current code (`rewards.guards.HackingAlarm`, with the run's
+run.alarm_* settings or today's defaults) over the gold records kept in the run's last checkpoint (per-image scores
+included) and the training reward / diversity of metrics.jsonl, so a run made before a change of the alarm can be
+judged by the alarm as it is now.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from pathlib import Path
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("run", type=Path)
+    ap.add_argument(
+        "--replay-alarm", action="store_true", help="re-run today's alarm over the checkpoint's gold records"
+    )
     a = ap.parse_args()
     ev = json.loads((a.run / "eval.json").read_text())
     curve = [json.loads(x) for x in (a.run / "eval_curve.jsonl").read_text().splitlines() if x.strip()]
@@ -48,6 +56,8 @@ def main() -> None:
               + (f" (first at iteration {alarms[0]['iteration']}: {alarms[0].get('message', '')})" if alarms else ""))
     else:
         print("gold reward: not configured (run.gold_reward)")
+    if a.replay_alarm:
+        replay_alarm(a.run, metrics)
     worst = 0.0
     parts = []
     for tag, t in ev["trained"]["geneval"]["strict"]["tags"].items():
@@ -66,6 +76,42 @@ def main() -> None:
         f = lambda k, blk=blk: mean(blk, k)  # noqa: E731
         print(f"  {blk[0]['iteration']:>5}-{blk[-1]['iteration']:<5} {f('reward_mean'):.3f} {f('strict_mean'):.3f} "
               f"{f('fm_mse'):.3f} {f('grad_norm'):.3f} {f('lr'):.2e}")
+
+
+def replay_alarm(run: Path, metrics: list[dict]) -> None:
+    """Print what today's HackingAlarm says at every gold point of the run (module docstring)."""
+    import yaml
+
+    from flowcredit.rewards.guards import GoldRecord, HackingAlarm
+
+    ckpts = sorted((run / "checkpoints").glob("iter*/state.json"))
+    if not ckpts:
+        print("replay: no checkpoint with the gold records")
+        return
+    state = json.loads(ckpts[-1].read_text())["state"]
+    records = [GoldRecord(**r) for r in state.get("harness", {}).get("guard", {}).get("gold", {}).get("records", [])]
+    rc = (yaml.safe_load((run / "config.yaml").read_text()) or {}).get("run", {})
+    alarm = HackingAlarm(
+        window=rc.get("alarm_window", 5),
+        gold_drop=rc.get("alarm_gold_drop", 0.0),
+        noise_z=rc.get("alarm_noise_z", 2.0),
+    )
+    by_it = {m["iteration"]: m for m in metrics}
+    fired = []
+    print(f"replayed alarm ({ckpts[-1].parent.name}, {len(records)} gold points, window {alarm.window}, "
+          f"noise_z {alarm.noise_z:g}, gold_drop {alarm.gold_drop:g}):")
+    last = 0
+    for rec in records:
+        for it in range(last + 1, rec.iteration + 1):
+            if it in by_it:
+                alarm.update_train(it, by_it[it]["reward_mean"])
+                alarm.update_diversity(it, by_it[it].get("diversity", 0.0))
+        last = rec.iteration
+        alarm.update_gold(rec.iteration, rec.mean, se=rec.se, scores=rec.scores)
+        st = alarm.check()
+        fired += [rec.iteration] if st.fired else []
+        print(f"  {rec.iteration:>5}: gold {rec.mean:.3f}  {'ALARM ' if st.fired else ''}{st.message}")
+    print(f"replayed alarms: {len(fired)}" + (f" (iterations {fired})" if fired else ""))
 
 
 if __name__ == "__main__":
