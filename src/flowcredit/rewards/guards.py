@@ -185,18 +185,19 @@ def group_diversity(
 
 
 # ------------------------------------------------------------------------------------------------ alarm
+def _centred_x(n: int, xs: Sequence[float] | None) -> tuple[Tensor, float]:
+    """(xc, Σ xc²): the positions xs (default 0, 1, …, n − 1) minus their mean, float64."""
+    x = torch.as_tensor(list(xs), dtype=torch.float64) if xs is not None else torch.arange(n, dtype=torch.float64)
+    xc = x - x.mean()
+    return xc, float((xc * xc).sum())
+
+
 def trend(values: Sequence[float], xs: Sequence[float] | None = None) -> float:
     """Least-squares slope of values against xs (default 0, 1, ...); 0 for fewer than 2 points."""
     y = torch.as_tensor(list(values), dtype=torch.float64)
     if y.numel() < 2:
         return 0.0
-    x = (
-        torch.as_tensor(list(xs), dtype=torch.float64)
-        if xs is not None
-        else torch.arange(y.numel(), dtype=torch.float64)
-    )
-    xc = x - x.mean()
-    den = float((xc * xc).sum())
+    xc, den = _centred_x(y.numel(), xs)
     return float((xc * (y - y.mean())).sum() / den) if den > 0 else 0.0
 
 
@@ -207,13 +208,7 @@ def trend_se(ses: Sequence[float | None], xs: Sequence[float] | None = None) -> 
     s = torch.as_tensor([0.0 if v is None else float(v) for v in ses], dtype=torch.float64)
     if s.numel() < 2:
         return 0.0
-    x = (
-        torch.as_tensor(list(xs), dtype=torch.float64)
-        if xs is not None
-        else torch.arange(s.numel(), dtype=torch.float64)
-    )
-    xc = x - x.mean()
-    den = float((xc * xc).sum())
+    xc, den = _centred_x(s.numel(), xs)
     return float((xc * xc * s * s).sum().sqrt() / den) if den > 0 else 0.0
 
 
@@ -230,12 +225,10 @@ def paired_change_se(scores: Sequence[Sequence[float] | None], xs: Sequence[floa
     if n < 2 or any(len(r) != n for r in rows):
         return None
     y = torch.as_tensor(rows, dtype=torch.float64)  # (points, n)
-    x = torch.as_tensor(list(xs), dtype=torch.float64)
-    xc = x - x.mean()
-    den = float((xc * xc).sum())
+    xc, den = _centred_x(len(rows), xs)
     if den <= 0:
         return None
-    change = (xc[:, None] * (y - y.mean(0))).sum(0) / den * float(x.max() - x.min())  # (n,) per-image change
+    change = (xc[:, None] * (y - y.mean(0))).sum(0) / den * float(max(xs) - min(xs))  # (n,) per-image change
     return float(change.std(unbiased=True) / math.sqrt(n))
 
 
