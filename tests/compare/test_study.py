@@ -113,3 +113,18 @@ def test_git_commit_is_the_code_s_repository_not_the_current_directory(tmp_path,
     inside = git_commit()
     monkeypatch.chdir(tmp_path)  # not a git repository
     assert git_commit() == inside
+
+
+def test_execute_reuses_a_run_that_finished_after_the_study_started(tmp_path, monkeypatch):
+    """--reuse is checked again when a run's turn comes: a study beside this one may have finished it meanwhile."""
+    import flowcredit.compare.study as st
+
+    copied = []
+    answers = iter([None, tmp_path / "other" / "seed0"])  # at the start: not finished yet; at launch: finished
+    monkeypatch.setattr(st, "resolved_config", lambda *a, **k: object())
+    monkeypatch.setattr(st, "find_reusable", lambda cfg, pools, exclude=None: next(answers))
+    monkeypatch.setattr(st, "reuse_run", lambda src, dst, cfg: copied.append((src, dst)))
+    study = Study(name="x", runs=[StudyRun("a", "tiny_nft")], seeds=[0], iterations=1)
+    res = st.execute(study, tmp_path / "out", reuse=[tmp_path / "other"], log=lambda *_: None)
+    assert res == [("a/seed0", 0)]  # no training subprocess was started
+    assert copied == [(tmp_path / "other" / "seed0", run_dir(tmp_path / "out", study.runs[0], 0))]

@@ -236,18 +236,21 @@ def execute(
     todo = [(r, s) for s in study.seeds for r in study.runs if not (run_dir(out, r, s) / "eval.json").exists()]
     done = len(study.runs) * len(study.seeds) - len(todo)
     results: list[tuple[str, int]] = []
-    if reuse:
-        for r, s in list(todo):
-            d = run_dir(out, r, s)
-            if (d / "metrics.jsonl").exists():  # started here: resume it rather than replace it
-                continue
-            cfg = resolved_config(study, r, s, out, threads)
-            src = find_reusable(cfg, reuse, exclude=d)
-            if src is not None:
-                reuse_run(src, d, cfg)
-                todo.remove((r, s))
-                results.append((f"{r.name}/seed{s}", 0))
-                log(f"reused {r.name} seed {s} from {src} (identical resolved config)")
+
+    def try_reuse(r: StudyRun, s: int) -> bool:
+        d = run_dir(out, r, s)
+        if not reuse or (d / "metrics.jsonl").exists():  # started here: resume it rather than replace it
+            return False
+        cfg = resolved_config(study, r, s, out, threads)
+        src = find_reusable(cfg, reuse, exclude=d)
+        if src is None:
+            return False
+        reuse_run(src, d, cfg)
+        results.append((f"{r.name}/seed{s}", 0))
+        log(f"reused {r.name} seed {s} from {src} (identical resolved config)")
+        return True
+
+    todo = [(r, s) for r, s in todo if not try_reuse(r, s)]
     log(
         f"study '{study.name}': {done} runs finished, {len(results)} reused, {len(todo)} to run ({parallel} at a time)"
     )
@@ -255,6 +258,8 @@ def execute(
     while todo or running:
         while todo and len(running) < parallel:
             r, s = todo.pop(0)
+            if try_reuse(r, s):  # finished meanwhile in a reuse folder (e.g. a study running beside this one)
+                continue
             d = run_dir(out, r, s)
             d.mkdir(parents=True, exist_ok=True)
             cmd = train_command(study, r, s, out, threads)
