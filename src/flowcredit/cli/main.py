@@ -276,7 +276,8 @@ def cmd_compare(ns) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return _fail(str(e))
     out = Path(ns.out or f"results/{Path(ns.study[0]).stem}")
-    command = "flowcredit compare " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else ns.study)
+    args = [a for a in sys.argv[2:] if a != "--report-only"]  # the command that makes (and resumes) the runs
+    command = "flowcredit compare " + " ".join(args or ns.study)
     if not ns.report_only:
         results = execute(study, out, parallel=ns.parallel, threads=ns.threads, reuse=[Path(d) for d in ns.reuse])
         failed = [r for r in results if r[1] != 0]
