@@ -46,6 +46,14 @@ def load_run(d: Path) -> dict[str, Any]:
     return out
 
 
+def _running_mean(y: np.ndarray, k: int) -> np.ndarray:
+    """Mean of the last min(k, i + 1) values at each position i (same length as y)."""
+    c = np.cumsum(np.insert(np.asarray(y, dtype=float), 0, 0.0))
+    i = np.arange(1, len(y) + 1)
+    lo = np.maximum(i - k, 0)
+    return (c[i] - c[lo]) / (i - lo)
+
+
 def _band_plot(ax, study_runs, key_x, key_y, label_y, grid_max):
     for name, runs in study_runs.items():
         curves = [(r[key_x], r[key_y]) for r in runs if len(r[key_x]) > 1 and np.all(np.isfinite(r[key_y]))]
@@ -154,21 +162,26 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
     ran = [float(r["iteration"][-1]) for rs in runs.values() for r in rs if len(r["iteration"])]
     max_it = max(ran) if ran else float(study.iterations)  # a budgeted study's cap is not what the runs did
     max_sec = max((float(r["seconds"][-1]) for rs in runs.values() for r in rs if len(r["seconds"])), default=1.0)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    _band_plot(axes[0, 0], runs, "iteration", "reward", "train reward (batch mean)", max_it)
-    _band_plot(axes[0, 1], runs, "seconds", "reward", "train reward (batch mean)", max_sec)
-    _band_plot(axes[1, 0], runs, "eval_iteration", "eval_strict", "held-out strict accuracy (subset)", max_it)
-    _band_plot(axes[1, 1], runs, "eval_seconds", "eval_strict", "held-out strict accuracy (subset)", max_sec)
-    fig.suptitle(f"{study.name}: mean and 95% band over seeds")
+    periodic = bool(study.eval_every)
+    fig, axes = plt.subplots(2 if periodic else 1, 2, figsize=(11, 8 if periodic else 4.2), squeeze=False)
+    # the batch mean of 64 samples is noisy: a 10-iteration running mean per run before the band over seeds
+    smooth = {n: [{**r, "reward": _running_mean(r["reward"], 10)} for r in rs] for n, rs in runs.items()}
+    _band_plot(axes[0, 0], smooth, "iteration", "reward", "train reward (batch mean, 10-it. running mean)", max_it)
+    _band_plot(axes[0, 1], smooth, "seconds", "reward", "train reward (batch mean, 10-it. running mean)", max_sec)
+    if periodic:
+        _band_plot(axes[1, 0], runs, "eval_iteration", "eval_strict", "held-out strict accuracy (subset)", max_it)
+        _band_plot(axes[1, 1], runs, "eval_seconds", "eval_strict", "held-out strict accuracy (subset)", max_sec)
+    fig.suptitle(f"{study.name.split(' — ')[0]}: mean and 95% band over seeds")
     fig.tight_layout()
     fig.savefig(out / "curves.png", dpi=90)
     plt.close(fig)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    _band_plot(axes[0], runs, "eval_iteration", "eval_reward", "held-out mean reward (subset)", max_it)
-    _band_plot(axes[1], runs, "eval_seconds", "eval_reward", "held-out mean reward (subset)", max_sec)
-    fig.tight_layout()
-    fig.savefig(out / "eval_reward.png", dpi=90)
-    plt.close(fig)
+    if periodic:
+        fig, axes1 = plt.subplots(1, 2, figsize=(11, 4))
+        _band_plot(axes1[0], runs, "eval_iteration", "eval_reward", "held-out mean reward (subset)", max_it)
+        _band_plot(axes1[1], runs, "eval_seconds", "eval_reward", "held-out mean reward (subset)", max_sec)
+        fig.tight_layout()
+        fig.savefig(out / "eval_reward.png", dpi=90)
+        plt.close(fig)
     lines += ["## Curves", "", "![curves](curves.png)", ""]
     lines += ["![eval reward](eval_reward.png)", ""] if study.eval_every else []
 
