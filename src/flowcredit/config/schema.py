@@ -351,8 +351,8 @@ class RunCfg:
     )
     alarm_noise_z: float = _h(
         2.0,
-        "Hacking alarm: gold must fall by more than z standard errors of its fitted change (each gold point's "
-        "standard error = std / sqrt(number of gold prompts)); 0 = any fall fires.",
+        "Hacking alarm: gold must fall by more than z standard errors of its fitted change (the paired one: each "
+        "gold image's own fitted change, the prompts and noise being fixed); 0 = any fall fires.",
         ge=0,
     )
 

@@ -249,9 +249,10 @@ class HackingAlarm:
 
     Changes are fitted slopes × the window's iteration span, i.e. how much the linear fit rose or fell across the
     window. The alarm fires when train_change > train_rise and gold_change < −max(gold_drop, noise_z · gold_se), where
-    gold_se = `trend_se` × span is the standard error of gold_change from the standard errors passed to `update_gold`
-    (a gold mean over 32 prompts moves by ≈ 0.03 when one image flips, so at a plateau a fitted fall below a zero
-    threshold is a coin flip); with `diversity_drop` set and diversity fed, also when diversity_change <
+    gold_se is the standard error of gold_change: `paired_change_se` when every point of the window came with its
+    per-image scores, else `trend_se` × span from the standard errors passed to `update_gold` (a gold mean over 32
+    prompts moves by ≈ 0.03 when one image flips, so at a plateau a fitted fall below a zero threshold is a coin
+    flip); with `diversity_drop` set and diversity fed, also when diversity_change <
     −diversity_drop while train_change > train_rise.
 
     Args:
@@ -293,19 +294,12 @@ class HackingAlarm:
         as 0) and optionally its per-image scores (`GoldRecord.scores`: the same fixed prompts and noise in the same
         order at every point). With scores at every point of a window the change's standard error is the paired one
         (`paired_change_se`), which cancels what the points share; only the last `window` score lists are kept."""
-        self._align_gold_se()
         self.gold.append((int(iteration), float(value)))
         self.gold_se.append(None if se is None else float(se))
         self.gold_scores.append(None if scores is None else [float(x) for x in scores])
         keep = len(self.gold) - self.window
         for i in range(max(0, keep)):
             self.gold_scores[i] = None
-
-    def _align_gold_se(self) -> None:
-        # gold points set without a standard error (assigned directly, old checkpoints) count as exact
-        n = len(self.gold)
-        self.gold_se = (self.gold_se + [None] * n)[:n]
-        self.gold_scores = (self.gold_scores + [None] * n)[:n]
 
     def update_diversity(self, iteration: int, value: float) -> None:
         self.diversity.append((int(iteration), float(value)))
@@ -332,12 +326,10 @@ class HackingAlarm:
             )
         lo, hi = gold[0][0], gold[-1][0]
         g, _ = self._change(gold, lo, hi)
-        self._align_gold_se()
         xs = [i for i, _ in gold]
         paired = paired_change_se(self.gold_scores[-len(gold) :], xs)
         g_se = paired if paired is not None else trend_se(self.gold_se[-len(gold) :], xs) * (hi - lo)
-        noise = self.noise_z * g_se
-        g_thr = max(self.gold_drop, noise) if noise > 0 else self.gold_drop
+        g_thr = max(self.gold_drop, self.noise_z * g_se)
         t, nt = self._change(self.train, lo, hi)
         d = self._change(self.diversity, lo, hi)[0] if self.diversity else None
         reasons = []
@@ -356,7 +348,6 @@ class HackingAlarm:
         return AlarmState(bool(reasons), t, g, d, reasons, msg, gold_se=g_se, gold_threshold=g_thr)
 
     def state_dict(self) -> dict[str, Any]:
-        self._align_gold_se()
         return {
             "train": list(self.train),
             "gold": list(self.gold),
@@ -368,7 +359,10 @@ class HackingAlarm:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.train = [tuple(p) for p in state.get("train", [])]
         self.gold = [tuple(p) for p in state.get("gold", [])]
-        self.gold_se = [None if v is None else float(v) for v in state.get("gold_se", [])]
-        self.gold_scores = [None if v is None else [float(x) for x in v] for v in state.get("gold_scores", [])]
-        self._align_gold_se()  # checkpoints from before the noise test: no standard errors
+        # checkpoints from before the noise test have neither: their points count as exact (None)
+        pad = [None] * len(self.gold)
+        self.gold_se = ([None if v is None else float(v) for v in state.get("gold_se", [])] + pad)[: len(pad)]
+        self.gold_scores = (
+            [None if v is None else [float(x) for x in v] for v in state.get("gold_scores", [])] + pad
+        )[: len(pad)]
         self.diversity = [tuple(p) for p in state.get("diversity", [])]

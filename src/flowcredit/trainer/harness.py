@@ -185,8 +185,8 @@ class HackingGuard:
     `step` feeds the alarm with the training reward and diversity every iteration; when the gold reward is due it
     calls `sample_fn(prompts, metadata) -> images` (the trainer samples with the EMA weights) and returns the
     gold.jsonl line (with the alarm state), else None. Each gold point carries its standard error std / sqrt(prompts)
-    (`gold_se`), and gold must fall by more than max(run.alarm_gold_drop, run.alarm_noise_z standard errors of its
-    fitted change) (`gold_threshold`) for the alarm to fire.
+    (`gold_se`); the alarm gets the point's per-image scores too, and gold must fall by more than
+    max(run.alarm_gold_drop, run.alarm_noise_z paired standard errors of its fitted change) (`gold_threshold`).
     """
 
     def __init__(self, gold: Any, alarm: Any):
