@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from .stats import final_mean_ci, mean_band, paired_difference, ratio, summarize_times, time_to_target
-from .study import Study, git_commit, reused_from, run_commits, run_dir
+from .study import Study, git_commit, resolved_config, reused_from, run_commits, run_dir
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -100,14 +100,10 @@ def _reused_line(study: Study, out: Path) -> list[str]:
     return ["- reused, not retrained (identical resolved config; `--reuse`): " + "; ".join(items)]
 
 
-def _budgeted(study: Study) -> bool:
-    """Whether the study's runs stop on a time budget (run.budget_minutes > 0), so iterations is only a cap."""
-    vals = [
-        o.split("=", 1)[1]
-        for o in study.overrides + [x for r in study.runs for x in r.overrides]
-        if o.startswith("run.budget_minutes=")
-    ]
-    return any(float(v) > 0 for v in vals)
+def _budgeted(study: Study, out: Path) -> bool:
+    """Whether the study's runs stop on a time budget (resolved run.budget_minutes > 0, preset or override), so
+    `iterations` is only a cap."""
+    return any(resolved_config(study, r, study.seeds[0], out, 1).run.budget_minutes > 0 for r in study.runs)
 
 
 def verdict(mean: float, half: float, n: int, arm: str, baseline: str) -> str:
@@ -145,7 +141,7 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
         f"- git commit(s) the runs were trained at: {_run_commits_line(study, out)}",
         *_reused_line(study, out),
         f"- seeds: {study.seeds}; iterations per run: {study.iterations}"
-        + (" (a cap: the runs stop on run.budget_minutes, see the iterations column)" if _budgeted(study) else "")
+        + (" (a cap: the runs stop on run.budget_minutes, see the iterations column)" if _budgeted(study, out) else "")
         + (
             f"; periodic eval every {study.eval_every} iterations on {study.eval_subset} tag-balanced held-out "
             "prompts (ODE, run.eval_steps steps, run.eval_guidance, fixed noise; see each run's config.yaml)"
@@ -183,7 +179,7 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
         fig.savefig(out / "eval_reward.png", dpi=90)
         plt.close(fig)
     lines += ["## Curves", "", "![curves](curves.png)", ""]
-    lines += ["![eval reward](eval_reward.png)", ""] if study.eval_every else []
+    lines += ["![eval reward](eval_reward.png)", ""] if periodic else []
 
     # --- final numbers ------------------------------------------------------------------------------------------
     lines += [
