@@ -1,6 +1,7 @@
 """How much of one iteration's policy gradient is signal? (What limits the main job, issue B.)
 
     python benchmarks/bench_grad_noise.py [--iters 16] [--threads 2] [key=value ...]
+    python benchmarks/bench_grad_noise.py --preset tiny_nft --iters 24 --pairs-per-sample 3 9
 
 Runs K independent Flow-GRPO iterations (new prompts, new noise) of a preset at the SAME weights (the optimizer step
 is replaced by a recorder, so nothing moves) and treats each iteration's gradient as g_i = s + n_i, where s is the
@@ -14,12 +15,23 @@ B_noise is roughly the batch at which one step's gradient is half signal; with B
 noise, the useful drift per step is ~ρ of its length, and a larger step size adds random-walk damage faster than
 progress. The gradients are recorded after `optim.grad_clip` (the default's norms are far below it, so unclipped).
 Prints ρ, B_noise and the mean cosine of one iteration's gradient with the mean of the others; one run, read ratios.
+
+Where the noise comes from (forward-process objectives, `--pairs-per-sample K1 K2`): the same measurement at
+sampler.train_steps_per_sample = K1 and K2. A sample's k pairs draw (ε, t) independently, so the noise energy of one
+iteration, N(k) = (1 − ρ)·mean_i |g_i|², splits as
+
+    N(k) = N_samples + N_forward / k                    (solved from the two k)
+
+N_samples: which prompts and samples the rollout drew (their rewards and advantages); N_forward: the forward-process
+draws (ε, t) of the pairs. In the noise-dominated regime the progress per second goes as |s|² / (N(k)·seconds(k)),
+so the printed N·s per iteration (lower is better) says whether more pairs per sample pay for their update time.
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 
 import torch
 
@@ -92,14 +104,46 @@ def noise_stats(G: torch.Tensor, B: int) -> dict[str, float]:
     }
 
 
+def noise_decomposition(k1: int, n1: float, k2: int, n2: float) -> tuple[float, float]:
+    """(N_samples, N_forward) from the noise energies n1, n2 measured at k1 ≠ k2 pairs per sample: N = N_s + N_f/k."""
+    if k1 == k2:
+        raise ValueError("--pairs-per-sample needs two different values")
+    n_f = (n1 - n2) / (1.0 / k1 - 1.0 / k2)
+    return n1 - n_f / k1, n_f
+
+
+def decompose(a: argparse.Namespace) -> None:
+    rows = []
+    for k in a.pairs_per_sample:
+        t0 = time.perf_counter()
+        G, B, _ = gradients(a.preset, a.iters, a.threads, [*a.overrides, f"sampler.train_steps_per_sample={k}"])
+        sec = (time.perf_counter() - t0) / a.iters  # setup included: an upper bound, same for both
+        s = noise_stats(G, B)
+        g2 = float((G * G).sum(1).mean())
+        rows.append((k, s, (1 - s["rho"]) * g2, s["rho"] * g2, sec))
+    print(f"{a.preset} {' '.join(a.overrides)}: K={a.iters} iterations per setting")
+    print(f"{'pairs/sample':>12} {'rho':>8} {'± se':>7} {'signal |s|²':>12} {'noise N':>10} {'s/iter':>7} {'N·s':>9}")
+    for k, s, n, sig, sec in rows:
+        print(f"{k:12d} {s['rho']:8.4f} {s['rho_se']:7.4f} {sig:12.3e} {n:10.3e} {sec:7.2f} {n * sec:9.3e}")
+    (k1, _, n1, _, _), (k2, _, n2, _, _) = rows
+    n_s, n_f = noise_decomposition(k1, n1, k2, n2)
+    print(f"N = N_samples + N_forward/k: N_samples = {n_s:.3e}, N_forward = {n_f:.3e}; at k = {k1} the "
+          f"forward-process draws are {n_f / k1 / n1:.0%} of the noise energy")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny_flow_grpo")
     ap.add_argument("--iters", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pairs-per-sample", type=int, nargs=2, metavar=("K1", "K2"),
+                    help="decompose the noise at two sampler.train_steps_per_sample values (nft/awm presets)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the preset")
     a = ap.parse_args()
     torch.manual_seed(0)
+    if a.pairs_per_sample:
+        decompose(a)
+        return
     G, B, groups = gradients(a.preset, a.iters, a.threads, a.overrides)
     s = noise_stats(G, B)
     print(f"{a.preset} {' '.join(a.overrides)}")

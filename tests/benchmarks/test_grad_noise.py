@@ -39,3 +39,23 @@ def test_identical_gradients_are_all_signal(bench):
     st = bench.noise_stats(G, B=8)
     assert st["rho"] == pytest.approx(1.0) and st["B_noise"] == pytest.approx(0.0, abs=1e-9)
     assert st["cos_with_rest"] == pytest.approx(1.0)
+
+
+def test_noise_decomposition_recovers_sample_and_forward_parts(bench):
+    # g_i = s + n_sample + (1/k)·Σ_k n_forward: the noise energy is N_s + N_f/k; the estimator sees only G
+    K, P, n_s, n_f = 48, 100_000, 0.006, 0.08
+    g = torch.Generator().manual_seed(1)
+    s = torch.randn(P, generator=g, dtype=torch.float64)
+    s = s / s.norm() * 0.05
+    energies = {}
+    for k in (3, 9):
+        G = s + torch.randn(K, P, generator=g, dtype=torch.float64) * (n_s / P) ** 0.5
+        G = G + sum(torch.randn(K, P, generator=g, dtype=torch.float64) * (n_f / P) ** 0.5 for _ in range(k)) / k
+        st = bench.noise_stats(G, B=64)
+        energies[k] = (1 - st["rho"]) * float((G * G).sum(1).mean())
+    got_s, got_f = bench.noise_decomposition(3, energies[3], 9, energies[9])
+    assert got_f == pytest.approx(n_f, rel=0.1)
+    assert got_s == pytest.approx(n_s, abs=0.003)
+    assert bench.noise_decomposition(3, 0.0321, 9, 0.01492) == pytest.approx((0.00633, 0.07731))
+    with pytest.raises(ValueError, match="two different"):
+        bench.noise_decomposition(3, 1.0, 3, 1.0)
