@@ -24,13 +24,14 @@ from flowcredit.config.load import ConfigError  # noqa: E402
 from flowcredit.config.schema import TrainConfig  # noqa: E402
 from flowcredit.trainer import checkpoint  # noqa: E402
 
-# stepwise: step rewards, KL to the (sharded) reference, sharded EMA; 3 optimizer steps per iteration with
+# stepwise: step rewards, KL to the (sharded) reference moving as an EMA of the policy, sharded EMA; 3 optimizer steps per iteration with
 # 1-pair micro-batches, so the ranks' micro-batch counts differ and the zero-weight padding passes run; gradient
 # clipping active (the norms are ~1e-2); gradient checkpointing inside the sharded blocks; a periodic evaluation and
 # the gold guard every iteration and the final evaluation (with the baseline) on every rank.
 EXTRA = (
-    "method=stepwise", "estimate.substeps=2", "optim.kl_beta=0.1", "optim.ema_decay=0.5", "optim.updates_per_epoch=3",
-    "optim.micro_batch=1", "optim.grad_clip=0.005", "model.gradient_checkpointing=true", "run.checkpoint_every=1",
+    "method=stepwise", "estimate.substeps=2", "optim.kl_beta=0.1", "optim.kl_reference=ema", "optim.ema_decay=0.5",
+    "optim.updates_per_epoch=3", "optim.micro_batch=1", "optim.grad_clip=0.005", "model.gradient_checkpointing=true",
+    "run.checkpoint_every=1",
     "run.eval_every=1", "run.eval_at_end=true", "run.gold_reward=dist_script:ImageMeanReward", "run.gold_every=1",
     "run.gold_limit=4",
 )
@@ -117,6 +118,10 @@ def test_fsdp_two_processes_match_one_process_and_resume(tmp_path, model_path):
             torch.testing.assert_close(s[key], plain["optimizer"]["state"][i][key], rtol=1e-4, atol=1e-7)
     for k, v in st["ema"].items():
         torch.testing.assert_close(v, plain["ema"][k], rtol=1e-5, atol=1e-5)
+    assert st["kl_reference"].keys() == set(one.trainable_names)  # the moving KL reference, gathered
+    for k, v in st["kl_reference"].items():
+        assert type(v) is torch.Tensor
+        torch.testing.assert_close(v, plain["kl_reference"][k], rtol=1e-5, atol=1e-5)
 
     # resume under FSDP for a third iteration; and resume the same checkpoint in ONE unsharded process
     torchrun(model_path, tmp_path / "two", *EXTRA, "dist.fsdp=true", *NO_END_EVAL)

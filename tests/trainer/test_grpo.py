@@ -382,6 +382,88 @@ def test_lora_trains_only_the_adapter_and_checkpoints_load_as_a_plain_model(tmp_
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# optim.kl_reference=ema: the KL reference follows the policy as a slow EMA, saved in checkpoints
+# ---------------------------------------------------------------------------------------------------------------
+
+EMA_REF = ("optim.kl_beta=0.1", "optim.kl_reference=ema", "optim.kl_reference_decay=0.5", "optim.lr=1e-3")
+
+
+def trainable_of(model, names):
+    named = dict(model.net.named_parameters())
+    return [named[n].detach().clone() for n in names]
+
+
+def test_kl_reference_initial_stays_the_initial_weights(tmp_path, model_path):
+    tr = make_trainer(tmp_path, model_path, "optim.kl_beta=0.1", "optim.lr=1e-3", reward=image_mean_reward)
+    assert tr.moving_ref is None
+    before = {k: v.clone() for k, v in tr.ref_model.net.state_dict().items()}
+    tr.train_step()
+    tr.train_step()
+    assert all(torch.equal(before[k], v) for k, v in tr.ref_model.net.state_dict().items())
+
+
+def test_kl_reference_ema_follows_the_policy_after_every_step(tmp_path, model_path):
+    tr = make_trainer(tmp_path, model_path, *EMA_REF, reward=image_mean_reward)
+    names = tr.trainable_names
+    ref = trainable_of(tr.ref_model, names)
+    assert all(torch.equal(r, p) for r, p in zip(ref, trainable_of(tr.model, names)))  # starts at the initial weights
+    for _ in range(2):
+        stats = tr.train_step()
+        theta = trainable_of(tr.model, names)
+        ref = [r.lerp(p, 0.5) for r, p in zip(ref, theta)]  # ref ← 0.5·ref + 0.5·θ
+        got = trainable_of(tr.ref_model, names)
+        assert all(torch.equal(g, e) for g, e in zip(got, ref))
+        assert any(not torch.equal(g, p) for g, p in zip(got, theta))  # behind the policy, not equal to it
+    assert stats["kl"] > 0  # the KL is taken to the moving reference
+    assert not tr.ref_model.training and not any(p.requires_grad for p in tr.ref_model.parameters())
+
+
+def test_kl_reference_ema_resumes_exactly(tmp_path, model_path):
+    common = (*EMA_REF, "run.checkpoint_every=1")
+    first = make_trainer(tmp_path, model_path, "run.iterations=2", *common, out="resume", reward=image_mean_reward)
+    first.train()
+    st = checkpoint.load(tmp_path / "resume" / "checkpoints" / "iter000002")
+    assert st["kl_reference"].keys() == set(first.trainable_names)
+    second = make_trainer(tmp_path, model_path, "run.iterations=3", *common, out="resume", reward=image_mean_reward)
+    assert second.iteration == 2
+    assert all(torch.equal(a, b) for a, b in zip(trainable_of(second.ref_model, second.trainable_names),
+                                                 trainable_of(first.ref_model, first.trainable_names)))
+    second.train()
+    straight = make_trainer(tmp_path, model_path, "run.iterations=3", *common, out="straight",
+                            reward=image_mean_reward)
+    straight.train()
+    for which in ("model", "ref_model"):
+        a, b = getattr(second, which).net.state_dict(), getattr(straight, which).net.state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in a), f"resumed run's {which} differs from the straight run"
+
+
+def test_kl_reference_ema_with_lora_keeps_a_moving_copy_of_the_adapter(tmp_path, model_path):
+    pytest.importorskip("peft")
+    tr = make_trainer(tmp_path, model_path, "model.trainable=lora", "model.lora_rank=4", "model.lora_alpha=8",
+                      "optim.weight_decay=0", "optim.ema_decay=0", *EMA_REF, "optim.lr=1e-2", reward=image_mean_reward)
+    assert tr.ref_model is not None and tr.moving_ref is not None  # a copy, not the disabled adapter
+    assert all("lora_" in n for n in tr.trainable_names)
+    base = {n: p.detach().clone() for n, p in tr.ref_model.net.named_parameters() if "lora_" not in n}
+    first = tr.train_step()
+    second = tr.train_step()
+    assert first["kl"] == pytest.approx(0.0, abs=1e-12)  # B = 0 at the start: policy = reference
+    assert second["kl"] > 0
+    named = dict(tr.ref_model.net.named_parameters())
+    assert all(torch.equal(named[n], v) for n, v in base.items())  # the base weights stay the initial ones
+    got, theta = trainable_of(tr.ref_model, tr.trainable_names), trainable_of(tr.model, tr.trainable_names)
+    assert any(g.abs().sum() > 0 and not torch.equal(g, p) for g, p in zip(got, theta) if g.ndim)
+
+
+def test_kl_reference_ema_needs_a_kl_term(tmp_path, model_path):
+    from flowcredit.config.load import ConfigError
+
+    with pytest.raises(ConfigError, match="optim.kl_reference=ema.*optim.kl_beta=0"):
+        make_cfg(tmp_path, model_path, "optim.kl_beta=0", "optim.kl_reference=ema")
+    with pytest.raises(ConfigError, match="kl_reference"):
+        make_cfg(tmp_path, model_path, "optim.kl_beta=0.1", "optim.kl_reference=moving")
+
+
 def test_budget_stops_training_in_time_for_the_final_evaluation(tmp_path, model_path):
     """run.budget_minutes: the first iteration always runs; afterwards training stops once one more iteration plus
     the predicted final evaluation would overrun the budget, and the evaluation still runs (eval.json written)."""

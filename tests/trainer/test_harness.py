@@ -70,3 +70,33 @@ def test_run_loop_stops_before_an_iteration_the_budget_cannot_fit():
     loop = RunLoop(_cfg(iterations=100), FakeDist(), budget, iteration=0)
     assert not loop.running(5) and loop.result(5)["stopped_by_budget"] is True
     loop.close_bar()
+
+
+def test_moving_reference_is_an_ema_of_the_policy_and_loads_back():
+    from flowcredit.trainer.harness import MovingReference
+
+    torch.manual_seed(0)
+    policy, ref = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    ref.load_state_dict(policy.state_dict())
+    policy.bias.requires_grad_(False)  # a frozen weight: not tracked, stays the initial one
+    moving = MovingReference(ref, ["weight"], decay=0.75)
+    w0, b0 = ref.weight.detach().clone(), ref.bias.detach().clone()
+    with torch.no_grad():
+        policy.weight.add_(1.0)
+        policy.bias.add_(5.0)
+    moving.update([policy.weight])
+    assert torch.equal(ref.weight, w0.lerp(policy.weight.detach(), 0.25))  # 0.75·ref + 0.25·θ
+    torch.testing.assert_close(ref.weight, w0 + 0.25, rtol=0, atol=1e-6)
+    assert torch.equal(ref.bias, b0)
+    assert moving.tensors()[0] is ref.weight  # the live parameter: updates and loads act on the reference itself
+    moving.load([torch.zeros(2, 3)])
+    assert torch.equal(ref.weight, torch.zeros(2, 3))
+
+
+def test_moving_reference_rejects_a_copy_without_the_trainable_names():
+    import pytest
+
+    from flowcredit.trainer.harness import MovingReference
+
+    with pytest.raises(RuntimeError, match="lacks trainable parameters"):
+        MovingReference(torch.nn.Linear(3, 2), ["net.blocks.0.weight"], decay=0.9)

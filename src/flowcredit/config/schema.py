@@ -249,6 +249,16 @@ class OptimCfg:
     kl_beta: float = _h(
         0.0, "β of the KL to the reference model (Flow-GRPO: 0.04 GenEval); 0 skips the reference forward.", ge=0
     )
+    kl_reference: Literal["initial", "ema"] = _h(
+        "initial",
+        "The KL reference π_ref: initial = the weights the run started from (Flow-GRPO; for LoRA the disabled "
+        "adapter); ema = a slow EMA of the policy, ref ← d·ref + (1 − d)·θ after every optimizer step with d = "
+        "optim.kl_reference_decay, so the KL damps step-to-step noise without pinning the model to its start "
+        "(docs/ALGORITHMS.md §9.4; keeps a full copy of the model, also for LoRA).",
+    )
+    kl_reference_decay: float = _h(
+        0.98, "Decay d of the EMA reference (optim.kl_reference=ema), per optimizer step.", gt=0, lt=1
+    )
     lr_schedule: Literal["constant", "cosine", "linear"] = _h(
         "constant",
         "Learning-rate schedule over the run's progress p = max(iteration / run.iterations, fraction of the training "
@@ -282,6 +292,11 @@ class OptimCfg:
             self.betas = [0.9, 0.999]
         if len(self.betas) != 2:
             raise ValueError(f"optim.betas must have 2 values, got {self.betas}")
+        if self.kl_reference == "ema" and self.kl_beta == 0:
+            raise ValueError(
+                "optim.kl_reference=ema moves the KL reference, but optim.kl_beta=0 has no KL term; set optim.kl_beta "
+                "> 0 or leave optim.kl_reference=initial"
+            )
 
 
 @dataclass

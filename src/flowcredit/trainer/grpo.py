@@ -56,7 +56,16 @@ from .distributed import (
 )
 from .evaluation import RunEvaluation
 from .faults import NonFiniteGuard, RetryingCall, first_nonfinite, inject_point
-from .harness import DistPadding, EMAWeights, HackingGuard, LRSchedule, PhaseTimer, RunLoop, TimeBudget
+from .harness import (
+    DistPadding,
+    EMAWeights,
+    HackingGuard,
+    LRSchedule,
+    MovingReference,
+    PhaseTimer,
+    RunLoop,
+    TimeBudget,
+)
 from .intermediate import intermediate_rewards
 from .loggers import check_logger_names, save_grid, write_metrics
 from .preflight import check_memory
@@ -131,9 +140,11 @@ class GRPOTrainer(CheckpointMixin):
         self.trainable_names = [n for n, p in self.model.net.named_parameters() if p.requires_grad]
         self.model.train()
         # Reference policy for the KL: a frozen copy of the initial weights, or, for LoRA models, the model itself with
-        # its adapter disabled (`model.reference()` context, no copy).
+        # its adapter disabled (`model.reference()` context, no copy). optim.kl_reference=ema: always a copy (LoRA
+        # included), whose trainable weights then follow the policy as a slow EMA (harness.MovingReference).
         self.ref_model = None
-        if cfg.optim.kl_beta > 0 and not hasattr(self.model, "reference"):
+        moving = cfg.optim.kl_reference == "ema"
+        if cfg.optim.kl_beta > 0 and (moving or not hasattr(self.model, "reference")):
             self.ref_model = copy.deepcopy(self.model).requires_grad_(False).eval()
         self.ref_offload = ReferenceOffload(self.ref_model, self.device, cfg.optim.offload_reference)
         if cfg.model.gradient_checkpointing:
@@ -155,6 +166,9 @@ class GRPOTrainer(CheckpointMixin):
                                    weight_decay=oc.weight_decay, eps=oc.eps)
         # the harness (trainer/harness.py): EMA of the weights, hacking guard, time budget; all saved in checkpoints
         self.ema_weights = EMAWeights(self.trainable, cfg.optim.ema_decay)
+        self.moving_ref = None
+        if self.ref_model is not None and moving:
+            self.moving_ref = MovingReference(self.ref_model.net, self.trainable_names, oc.kl_reference_decay)
         self.guard_ = HackingGuard.from_config(cfg.run, build_reward)
         self.budget = TimeBudget(cfg.run.budget_minutes, self.t_created, self.eval_forwards)
         self.lr_schedule = LRSchedule(oc.lr, oc.lr_schedule, oc.lr_final, oc.warmup_iters, cfg.run.iterations)
@@ -410,6 +424,8 @@ class GRPOTrainer(CheckpointMixin):
         self.opt.step()
         acc.setdefault("grad_norm", []).append(float(gn))
         self.ema_weights.update(self.trainable)
+        if self.moving_ref is not None:  # optim.kl_reference=ema
+            self.moving_ref.update(self.trainable)
         return nfe
 
     def guard(self, stats: dict[str, Any]) -> None:
@@ -442,8 +458,9 @@ class GRPOTrainer(CheckpointMixin):
             print(f"warning: reward-hacking alarm at iteration {self.iteration}: {line['message']}", file=sys.stderr)
 
     def _reference(self):
-        """Context yielding the reference policy π_ref: a frozen copy of the initial weights, or the model itself
-        with its LoRA adapter disabled when it provides `reference()` (Flow-GRPO: `disable_adapter()`)."""
+        """Context yielding the reference policy π_ref: a frozen copy of the initial weights (optim.kl_reference=ema:
+        moving as a slow EMA of the policy), or the model itself with its LoRA adapter disabled when it provides
+        `reference()` (Flow-GRPO: `disable_adapter()`)."""
         if self.ref_model is not None:
             return contextlib.nullcontext(self.ref_model)
         return self.model.reference()

@@ -179,6 +179,42 @@ class EMAWeights:
                     p.copy_(b)
 
 
+class MovingReference:
+    """optim.kl_reference = ema: the KL reference π_ref follows the policy as a slow EMA of its trainable weights,
+
+        ref ← d·ref + (1 − d)·θ      after every optimizer step, d = optim.kl_reference_decay (docs/ALGORITHMS.md §9.4)
+
+    `ref_net` is the reference copy's network (`ref_model.net`, a deep copy of the policy's, under FSDP sharded like
+    it); `names` are the trainable parameter names, in the order of the trainable parameters. The frozen weights
+    (a LoRA model's base) stay those of the initial model. The parameters are looked up by name on every call, so a
+    reference that `ReferenceOffload` moves between devices is still found; the policy's weights are copied to the
+    reference's device for the update.
+    """
+
+    def __init__(self, ref_net: torch.nn.Module, names: Sequence[str], decay: float):
+        self.net, self.names, self.decay = ref_net, list(names), decay
+        missing = set(self.names) - {n for n, _ in ref_net.named_parameters()}
+        if missing:  # a programming error: the copy was made from another network
+            raise RuntimeError(f"the KL reference copy lacks trainable parameters {sorted(missing)[:3]}")
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The reference's trainable weights, in the order of `names` (the live parameters, not copies)."""
+        named = dict(self.net.named_parameters())
+        return [named[n] for n in self.names]
+
+    @torch.no_grad()
+    def update(self, params: Sequence[torch.Tensor]) -> None:
+        """params: the policy's trainable weights after the optimizer step, in the order of `names`."""
+        for r, p in zip(self.tensors(), params):
+            r.lerp_(p.detach().to(r.device), 1 - self.decay)
+
+    @torch.no_grad()
+    def load(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Restore the reference from a checkpoint: tensors placed like the reference's weights (`shard_like`)."""
+        for r, t in zip(self.tensors(), tensors):
+            r.copy_(t)
+
+
 class HackingGuard:
     """run.gold_reward: the held-out gold reward every gold_every iterations and the hacking alarm (issue G.6).
 

@@ -6,9 +6,9 @@ iteration adds on `device` beyond the weights already loaded:
 
   * gradients of the trainable parameters (their dtype) and AdamW's two moments (fp32; on the host, not the
     device, with ``optim.offload_optimizer`` on an accelerator), the EMA copy (``optim.ema_decay > 0``), the
-    initial-weights copy of the baseline evaluation and the frozen KL reference copy (``kl_beta > 0`` without
-    LoRA, unless ``optim.offload_reference``); with ``dist.fsdp`` the parameter states are divided by the
-    process count;
+    initial-weights copy of the baseline evaluation and the KL reference copy (``kl_beta > 0`` without LoRA
+    or with ``optim.kl_reference=ema``, unless ``optim.offload_reference``); with ``dist.fsdp`` the parameter
+    states are divided by the process count;
   * the rollout tensors kept until the update: latents (B, T+1, *latent) fp32, the velocities (B, T, *latent)
     when the credit needs them, the log-probs and the decoded images;
   * the activations autograd saves for one micro-batch of ``min(optim.micro_batch, pairs per step)`` pairs,
@@ -185,7 +185,8 @@ def estimate_memory(
     if cfg.run.eval_baseline and cfg.run.eval_at_end:
         copies += weight_bytes
     ref_on_host = cfg.optim.offload_reference and dev.type != "cpu"
-    if cfg.optim.kl_beta > 0 and not hasattr(model, "reference") and not ref_on_host and not reference_loaded:
+    ref_copy = cfg.optim.kl_reference == "ema" or not hasattr(model, "reference")  # LoRA + initial: no copy
+    if cfg.optim.kl_beta > 0 and ref_copy and not ref_on_host and not reference_loaded:
         copies += weight_bytes / shard
 
     B = math.ceil(cfg.data.prompts_per_iter * cfg.data.group_size / max(1, world_size))

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .data import PromptSampler
     from .distributed import Dist
     from .faults import NonFiniteGuard
-    from .harness import HackingGuard, TimeBudget
+    from .harness import HackingGuard, MovingReference, TimeBudget
 
 
 class TrainingError(RuntimeError):
@@ -52,6 +52,7 @@ class CheckpointMixin:
     metrics_f: Any  # metrics.jsonl, open on rank 0 (None elsewhere)
     loggers: list[Any]
     ema: list[torch.Tensor] | None  # the EMA weights in the order of `trainable` (a property of GRPOTrainer)
+    moving_ref: MovingReference | None  # optim.kl_reference=ema: the moving KL reference's trainable weights
 
     def open_run_folder(self) -> None:
         """Make the run folder, write the resolved config, resume from the newest intact checkpoint, and open
@@ -92,6 +93,8 @@ class CheckpointMixin:
             "model": model_state(self.model.net),
             "optimizer": optimizer_state(self.model.net, self.opt, self.trainable_names),
             "ema": self._ema_state(),
+            # optim.kl_reference=ema: the reference moves with the run, so an exact resume needs it
+            "kl_reference": self._named_full(self.moving_ref.tensors()) if self.moving_ref is not None else None,
             "model_config": dataclasses.asdict(self.model.cfg),
             # tiny: rebuild the adapter to load
             "lora": getattr(self.model, "lora", None) if self.cfg.model.name == "tiny" else None,
@@ -120,11 +123,14 @@ class CheckpointMixin:
 
     def _ema_state(self) -> dict[str, torch.Tensor] | None:
         """The EMA weights by parameter name; under FSDP (EMA sharded like the weights) gathered to rank 0."""
-        if self.ema is None:
-            return None
+        return None if self.ema is None else self._named_full(self.ema)
+
+    def _named_full(self, tensors: Sequence[torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """Tensors in the order of `trainable` by parameter name; under FSDP (sharded like the weights) gathered to
+        rank 0 (collective; None on the other ranks)."""
         if not self.dist.fsdp:
-            return dict(zip(self.trainable_names, self.ema))
-        full = full_tensors(self.ema, keep=self.dist.is_main)
+            return dict(zip(self.trainable_names, tensors))
+        full = full_tensors(tensors, keep=self.dist.is_main)
         return dict(zip(self.trainable_names, full)) if full is not None else None
 
     def save_checkpoint(self) -> Path:
@@ -158,6 +164,10 @@ class CheckpointMixin:
             self.ema = shard_like([st["ema"][n] for n in self.trainable_names], self.trainable)
         else:
             self.ema = [st["ema"][n].to(self.device) for n in self.trainable_names] if st["ema"] is not None else None
+        if self.moving_ref is not None and st.get("kl_reference") is not None:
+            # a checkpoint without it (kl_reference=initial before): the reference stays the initial weights it was
+            self.moving_ref.load(shard_like([st["kl_reference"][n] for n in self.trainable_names],
+                                            self.moving_ref.tensors()))
         self.credit_state = st["credit_state"]
         self.gen.set_state(st["torch_rng"])
         torch.set_rng_state(st["global_torch_rng"])
