@@ -134,6 +134,23 @@ def test_lora_targets_and_reference():
         assert (lora.velocity(x, t, cond) - v_ref).abs().max() > 1e-3
 
 
+def test_modulation_trains_the_conditioning_path_of_both_block_kinds():
+    m = td.load_adapter(KIND, trainable="all")
+    params = m.configure_trainable("modulation")
+    names = {n for n, p in m.net.named_parameters() if p.requires_grad}
+    assert params and len(params) == len(names)
+    double = {n for n in names if n.startswith("transformer_blocks.")}
+    single = {n for n in names if n.startswith("single_transformer_blocks.")}
+    assert double and all(".norm1.linear." in n or ".norm1_context.linear." in n for n in double)
+    assert single and all(".norm.linear." in n for n in single)
+    assert {n for n in names if n.startswith("time_text_embed.")}  # timestep, guidance and pooled-text embeddings
+    rest = names - double - single
+    assert all(n.startswith(("time_text_embed.", "norm_out.linear.")) for n in rest)
+    assert not any(".attn." in n or ".ff." in n or "proj_mlp" in n for n in names)
+    with pytest.raises(ValueError, match="built with a LoRA adapter"):
+        td.load_adapter(KIND, trainable="lora").configure_trainable("modulation")
+
+
 @pytest.mark.parametrize("missing", ["text_encoder_2", "vae"])
 def test_missing_component_is_named(tmp_path, missing):
     from flowcredit.config.schema import ModelCfg

@@ -175,6 +175,15 @@ def test_full_finetune_reference_copy_shares_frozen_parts():
     assert not any(p.requires_grad for p in m.vae.parameters()) and not any(p.requires_grad for p in m.text_encoders.parameters())
     with pytest.raises(ValueError, match="without a LoRA adapter"):
         m.configure_trainable("lora")
+    mod = m.configure_trainable("modulation")  # the conditioning path: timestep/text embedding and adaLN projections
+    names = {n for n, p in m.net.named_parameters() if p.requires_grad}
+    assert mod and len(mod) == len(names)
+    adaln = {n for n in names if ".norm1.linear." in n or ".norm1_context.linear." in n}
+    assert {n for n in names if n.startswith("time_text_embed.")} and adaln
+    assert {n for n in names if n.startswith("norm_out.linear.")}
+    assert names == adaln | {n for n in names if n.startswith(("time_text_embed.", "norm_out.linear."))}
+    blocks = {n.split(".")[1] for n in m.net.state_dict() if n.startswith("transformer_blocks.")}
+    assert {n.split(".")[1] for n in adaln} == blocks  # every block's modulation
 
 
 @pytest.mark.parametrize("missing", ["text_encoder_3", "transformer", "model_index.json"])

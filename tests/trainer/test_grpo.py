@@ -150,7 +150,18 @@ def test_on_policy_logprob_parity(tmp_path, model_path, sampler, guidance):
 FROZEN_BY_BLOCKS = ("text.", "patch_in.", "t_mlp.", "pool_mlp.")
 
 
-@pytest.mark.parametrize("trainable", ["all", "blocks"])
+def frozen_by(trainable: str, names) -> set[str]:
+    """What model.trainable leaves frozen on the tiny model (independent of models/factory.py)."""
+    if trainable == "blocks":
+        return {n for n in names if n.startswith(FROZEN_BY_BLOCKS)}
+    if trainable == "modulation":  # the conditioning path: t_mlp, pool_mlp, each block's adaLN, the output adaLN
+        import re
+
+        return {n for n in names if not re.match(r"(t_mlp|pool_mlp|ada_out|blocks\.\d+\.ada)\.", n)}
+    return set()
+
+
+@pytest.mark.parametrize("trainable", ["all", "blocks", "modulation"])
 def test_one_step_changes_every_trainable_parameter(tmp_path, model_path, trainable):
     # lr = 1e-2 (≈300× the preset) on purpose: Adam's first step is lr·g/(|g| + eps); for a tensor whose gradient is
     # small next to eps = 1e-8 the step shrinks with it, and at a realistic lr a tensor that DID get a gradient could
@@ -172,7 +183,7 @@ def test_one_step_changes_every_trainable_parameter(tmp_path, model_path, traina
     stats = tr.train_step()
     assert stats["pairs_trained"] > 0 and stats.get("skipped_update", 0) == 0 and stats["grad_norm"] > 0
     trainable_names = {n for n, p in named.items() if p.requires_grad}
-    frozen = {n for n in named if n.startswith(FROZEN_BY_BLOCKS)} if trainable == "blocks" else set()
+    frozen = frozen_by(trainable, named)
     assert trainable_names == set(named) - frozen
     assert {id(p) for p in tr.trainable} == {id(named[n]) for n in trainable_names}
     unchanged = [n for n in trainable_names if torch.equal(named[n].detach(), before[n])]
@@ -182,8 +193,10 @@ def test_one_step_changes_every_trainable_parameter(tmp_path, model_path, traina
     for n in frozen:
         assert torch.equal(named[n].detach(), before[n]), n
         assert grads[n] is None, n
-    if trainable == "blocks":
+    if trainable != "all":
         assert len(frozen) > 0
+    if trainable == "modulation":  # every block's adaLN and the output adaLN train; attention and MLPs do not
+        assert {n for n in trainable_names if ".ada." in n} and not {n for n in trainable_names if ".qkv." in n}
 
 
 # ---------------------------------------------------------------------------------------------------------------

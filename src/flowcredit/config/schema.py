@@ -44,9 +44,11 @@ class ModelCfg:
         "auto", "Autocast dtype of the network forward/backward; step math is always fp32. auto = bf16 where the "
                 "hardware runs it fast (GPU with bf16, CPU with AVX-512/AMX), else fp32 (models/precision.py)."
     )
-    trainable: Literal["all", "lora", "blocks"] = _h(
+    trainable: Literal["all", "lora", "blocks", "modulation"] = _h(
         "all", "What RL trains: all weights (full fine-tune), LoRA adapters (peft; base weights frozen, π_ref = "
-               "adapter disabled), or the transformer blocks only (tiny: text encoder and embeddings frozen)."
+               "adapter disabled), the transformer blocks only (tiny: text encoder and embeddings frozen), or the "
+               "conditioning path only: the adaLN modulation layers and the timestep/pooled-text embeddings "
+               "(docs/ALGORITHMS.md §9.4; where the gradient's signal is, measured by benchmarks/bench_grad_noise.py)."
     )
     lora_rank: int = _h(32, "LoRA rank r (ALGORITHMS.md A9: r32).", ge=1)
     lora_alpha: float = _h(64.0, "LoRA alpha (A9: α64).", gt=0)

@@ -283,7 +283,10 @@ class DiffusersFlowModel(nn.Module):
 
     # ------------------------------------------------------------------------------------------- training
     def configure_trainable(self, trainable: str) -> list[nn.Parameter]:
-        """Set requires_grad for `trainable` ('lora' | 'all' | 'blocks'); text encoders and VAE stay frozen.
+        """Set requires_grad for `trainable` ('lora' | 'all' | 'blocks' | 'modulation'); text encoders and VAE stay
+        frozen. 'modulation': the conditioning path only, i.e. `time_text_embed` (timestep, pooled-text and FLUX's
+        guidance embeddings) and every adaptive norm's projection (diffusers' AdaLayerNormZero / …Single /
+        …Continuous / SD35AdaLayerNormZeroX modules: norm1, norm1_context, norm, norm_out).
 
         Returns:
             the trainable parameters.
@@ -296,7 +299,7 @@ class DiffusersFlowModel(nn.Module):
             for name, p in net.named_parameters():
                 if "lora_" in name:
                     p.requires_grad_(True)
-        elif trainable in ("all", "blocks"):
+        elif trainable in ("all", "blocks", "modulation"):
             if self.has_lora:
                 raise ValueError(
                     f"model.trainable={trainable} on a model built with a LoRA adapter; build it with "
@@ -304,13 +307,18 @@ class DiffusersFlowModel(nn.Module):
                 )
             if trainable == "all":
                 net.requires_grad_(True)
+            elif trainable == "modulation":
+                net.requires_grad_(False)
+                for name, mod in net.named_modules():
+                    if name == "time_text_embed" or "AdaLayerNorm" in type(mod).__name__:
+                        mod.requires_grad_(True)
             else:
                 net.requires_grad_(False)
                 for attr in ("transformer_blocks", "single_transformer_blocks"):
                     if hasattr(net, attr):
                         getattr(net, attr).requires_grad_(True)
         else:
-            raise ValueError(f"model.trainable={trainable!r}; valid: all, lora, blocks")
+            raise ValueError(f"model.trainable={trainable!r}; valid: all, lora, blocks, modulation")
         return self.trainable_parameters()
 
     def trainable_parameters(self) -> list[nn.Parameter]:

@@ -82,8 +82,10 @@ def build_model(cfg: ModelCfg, device: str = "cpu") -> PolicyModel:
 
 
 def set_trainable(model, trainable: str) -> list[torch.nn.Parameter]:
-    """Choose what RL trains on the tiny model: 'all' weights, 'blocks' (transformer blocks + output head) or 'lora'
-    (the peft adapter that `build_model` injected; base weights frozen).
+    """Choose what RL trains on the tiny model: 'all' weights, 'blocks' (transformer blocks + output head),
+    'modulation' (the conditioning path: timestep and pooled-text MLPs, every block's adaLN modulation and the output
+    modulation; attention, MLPs, text encoder and patch layers frozen) or 'lora' (the peft adapter that
+    `build_model` injected; base weights frozen).
 
     Diffusers adapters (SD3/FLUX) choose themselves ('lora', 'all' or 'blocks'; text encoders and VAE stay frozen).
 
@@ -99,6 +101,10 @@ def set_trainable(model, trainable: str) -> list[torch.nn.Parameter]:
         net.requires_grad_(False)
         for mod in (net.blocks, net.ada_out, net.patch_out):
             mod.requires_grad_(True)
+    elif trainable == "modulation":
+        net.requires_grad_(False)
+        for mod in (net.t_mlp, net.pool_mlp, net.ada_out, *(blk.ada for blk in net.blocks)):
+            mod.requires_grad_(True)
     elif trainable == "lora":
         if not getattr(model, "has_lora", False):
             raise ValueError("model.trainable=lora but the model was built without a LoRA adapter; build it with "
@@ -108,5 +114,5 @@ def set_trainable(model, trainable: str) -> list[torch.nn.Parameter]:
             if "lora_" in name:
                 p.requires_grad_(True)
     else:
-        raise ValueError(f"model.trainable={trainable!r}; valid: all, blocks, lora")
+        raise ValueError(f"model.trainable={trainable!r}; valid: all, blocks, modulation, lora")
     return [p for p in net.parameters() if p.requires_grad]
