@@ -87,7 +87,8 @@ def set_trainable(model, trainable: str) -> list[torch.nn.Parameter]:
     modulation; attention, MLPs, text encoder and patch layers frozen) or 'lora' (the peft adapter that
     `build_model` injected; base weights frozen).
 
-    Diffusers adapters (SD3/FLUX) choose themselves ('lora', 'all' or 'blocks'; text encoders and VAE stay frozen).
+    Diffusers adapters (SD3/FLUX) choose themselves ('lora', 'all', 'blocks' or 'modulation'; text encoders and VAE
+    stay frozen).
 
     Returns the trainable parameters.
     """
