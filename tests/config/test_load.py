@@ -345,3 +345,31 @@ def test_post_init_error_is_reraised_naming_the_section(tmp_path):
     msg = config_error(load_config, ToyCfg, None, ["batch_size=6"])
     assert "invalid config ToyCfg" in msg and "batch_size 6 is not divisible by group_size 4" in msg
     assert "override 'batch_size=6'" in msg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Switching an implementation by name drops the file's options of the old one
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_name_override_drops_the_replaced_implementations_options():
+    """`objective.name=awm` on tiny_nft (whose objective.options are NFT's) and `model.name=sd3` on a tiny preset
+    with model.options: the file's options of the replaced implementation go; options given by overrides are the new
+    implementation's (checked against it), and re-naming the same implementation keeps the file's options."""
+    import flowcredit.models.factory  # noqa: F401  (registers the model families: their options are checked)
+    import flowcredit.objectives  # noqa: F401
+    from flowcredit.cli.main import PRESET_DIR
+    from flowcredit.config.schema import TrainConfig
+
+    cfg = load_config(TrainConfig, "tiny_nft", ["objective.name=awm", "model.name=sd3"], preset_dirs=[PRESET_DIR])
+    assert cfg.objective.name == "awm" and cfg.objective.options == {}
+    assert cfg.model.name == "sd3" and cfg.model.options == {}
+    kept = load_config(TrainConfig, "tiny_nft", ["objective.name=nft"], preset_dirs=[PRESET_DIR])
+    assert kept.objective.options["beta"] == 1.0 and kept.model.options == {"gelu": "exact"}
+    # options given with the new name are the new implementation's: kept, and checked against it
+    awm = load_config(TrainConfig, "tiny_nft", ["objective.name=awm", "objective.options.weighting=t"],
+                      preset_dirs=[PRESET_DIR])
+    assert awm.objective.options == {"weighting": "t"}
+    with pytest.raises(ConfigError, match=r"objective\.options\.beta"):
+        load_config(TrainConfig, "tiny_nft", ["objective.name=awm", "objective.options.beta=1"],
+                    preset_dirs=[PRESET_DIR])

@@ -7,7 +7,19 @@ import time
 import pytest
 import torch
 
-from flowcredit.models.tiny import ASSET_DIR, SHIPPED_NAME, SPECIAL_TOKENS, TinyDiTConfig, TinyFlowModel, WordTokenizer
+import torch.nn.functional as F
+
+from flowcredit.config.schema import ModelCfg
+from flowcredit.models.factory import build_model
+from flowcredit.models.tiny import (
+    ASSET_DIR,
+    SHIPPED_NAME,
+    SPECIAL_TOKENS,
+    TinyDiTConfig,
+    TinyFlowModel,
+    WordTokenizer,
+    attention,
+)
 from flowcredit.shapes.prompts import make_splits
 
 SMALL = dict(width=32, depth=1, heads=2)
@@ -76,6 +88,126 @@ def test_velocity_bf16_autocast_returns_fp32():
     with torch.no_grad():
         v = model.velocity(torch.randn(1, *model.latent_shape), torch.tensor([0.5]), cond)
     assert v.dtype == torch.float32 and torch.isfinite(v).all()
+
+
+def _qkv_mask(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(3, 2, 12, 8, generator=g).to(dtype).requires_grad_() for _ in range(3))
+    mask = torch.ones(3, 1, 1, 12, dtype=torch.bool)
+    mask[0, ..., 2:4] = False  # padded text keys of one row
+    return q, k, v, mask
+
+
+def test_attention_bf16_explicit_path_matches_sdpa():
+    """bf16 on CPU takes the explicit path (fp32 scores/softmax): the same function as SDPA up to bf16 rounding,
+    masked keys get zero weight, and the gradients agree too."""
+    q, k, v, mask = _qkv_mask(torch.bfloat16)
+    out = attention(q, k, v, mask)
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = F.scaled_dot_product_attention(q32, k32, v32, attn_mask=mask)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    # a masked key's value never leaks into the output
+    v2 = v.detach().clone()
+    v2[0, :, 2:4] = 1e3
+    torch.testing.assert_close(attention(q.detach(), k.detach(), v2, mask)[0], out.detach()[0])
+    out.float().square().sum().backward()
+    ref.square().sum().backward()
+    for a, b in ((q, q32), (k, k32), (v, v32)):
+        assert a.grad is not None and b.grad is not None
+        torch.testing.assert_close(a.grad.float(), b.grad, atol=0.1, rtol=5e-2)
+
+
+def test_attention_fp32_is_sdpa_exactly():
+    q, k, v, mask = _qkv_mask(torch.float32)
+    assert torch.equal(attention(q, k, v, mask), F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    assert torch.equal(attention(q, k, v, None), F.scaled_dot_product_attention(q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rollout_and_update_velocities_are_bit_identical(dtype):
+    """Rollouts (eval mode, no grad) and updates (train mode, grad) compute the same function bit for bit — in
+    particular the text encoder never takes PyTorch's eval-only fused path (0.06 apart in bf16 before)."""
+    model = _perturbed_model(5)
+    model.compute_dtype = dtype
+    cond = model.encode_prompts(["a photo of a red circle", "a photo of two squares"])
+    assert "txt" not in cond  # full fine-tune: the text encoder runs inside every velocity call
+    x, t = torch.randn(2, *model.latent_shape), torch.tensor([0.8, 0.3])
+    model.eval()
+    with torch.no_grad():
+        a = model.velocity(x, t, cond)
+    model.train()
+    b = model.velocity(x, t, cond)
+    assert torch.equal(a, b.detach())
+    assert torch.backends.mha.get_fastpath_enabled()  # the global switch is restored
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_text_encoder_output_is_computed_once_and_equals_recomputing(dtype):
+    """With the text encoder frozen, encode_prompts carries its output; velocity then skips the encoder and returns
+    exactly what recomputing it gives — also for row subsets (micro-batches). Unfrozen or another dtype: recomputed."""
+    model = _perturbed_model(9)
+    model.compute_dtype = dtype
+    prompts = ["a photo of a red circle", "", "a photo of two squares"]
+    x, t = torch.randn(3, *model.latent_shape), torch.tensor([0.9, 0.5, 0.2])
+    assert "txt" not in model.encode_prompts(prompts)  # trainable text encoder (full fine-tune): nothing cached
+    model.net.text.requires_grad_(False)
+    cond = model.encode_prompts(prompts)
+    assert cond["txt"].shape == (3, model.cfg.max_text_len, model.cfg.width) and cond["pooled"].shape == (3, 32)
+    plain = {"ids": cond["ids"], "mask": cond["mask"]}
+    with torch.no_grad():
+        cached, recomputed = model.velocity(x, t, cond), model.velocity(x, t, plain)
+        rows = torch.tensor([2, 0])
+        sub = model.velocity(x[rows], t[rows], {k: v[rows] for k, v in cond.items()})
+        sub_plain = model.velocity(x[rows], t[rows], {k: v[rows] for k, v in plain.items()})
+    assert torch.equal(cached, recomputed) and torch.equal(sub, sub_plain)
+    calls = []
+    hook = model.net.text.register_forward_hook(lambda *_: calls.append(1))
+    with torch.no_grad():
+        model.velocity(x, t, cond)
+    assert calls == []  # the encoder did not run
+    model.compute_dtype = torch.bfloat16 if dtype == torch.float32 else torch.float32  # stale dtype: recompute
+    with torch.no_grad():
+        assert torch.equal(model.velocity(x, t, cond), model.velocity(x, t, plain))
+    assert len(calls) == 2
+    model.compute_dtype = dtype
+    model.net.text.requires_grad_(True)  # unfrozen after encoding: the cache is ignored, gradients reach the encoder
+    model.velocity(x, t, cond).square().sum().backward()
+    assert len(calls) == 3 and model.net.text.embed.weight.grad is not None
+    hook.remove()
+
+
+def test_gelu_option_exact_vs_tanh(tmp_path):
+    """model.options.gelu: exact swaps the tanh-approximated GELU for erf GELU — a velocity within the
+    approximation's 4.7e-4 per activation, recorded in the config so save/load and checkpoints keep it."""
+    model = _perturbed_model(7)
+    cond = model.encode_prompts(["a photo of a red circle"])
+    x, t = torch.randn(1, *model.latent_shape), torch.tensor([0.6])
+    with torch.no_grad():
+        v_tanh = model.velocity(x, t, cond)
+        model.set_gelu("exact")
+        v_exact = model.velocity(x, t, cond)
+    assert model.cfg.gelu == "exact"
+    assert all(m.approximate == "none" for m in model.net.modules() if isinstance(m, torch.nn.GELU))
+    assert not torch.equal(v_tanh, v_exact)
+    torch.testing.assert_close(v_exact, v_tanh, atol=1e-3, rtol=0)
+    loaded = TinyFlowModel.load(model.save(tmp_path, name="m"))
+    assert loaded.cfg.gelu == "exact"
+    with torch.no_grad():
+        assert torch.equal(loaded.velocity(x, t, cond), v_exact)
+    with pytest.raises(ValueError, match="gelu"):
+        model.set_gelu("fast")
+    with pytest.raises(ValueError, match="gelu"):
+        TinyFlowModel(TinyDiTConfig(**SMALL, gelu="fast"))
+
+
+def test_build_model_applies_the_gelu_option():
+    assert build_model(ModelCfg(name="tiny")).cfg.gelu == "tanh"  # the shipped model as pretrained
+    built = build_model(ModelCfg(name="tiny", options={"gelu": "exact"}))
+    assert built.cfg.gelu == "exact"
+    assert all(m.approximate == "none" for m in built.net.modules() if isinstance(m, torch.nn.GELU))
+    with pytest.raises(ValueError, match=r"model\.options\.gelu"):
+        ModelCfg(name="tiny", options={"gelu": "fast"})
 
 
 def test_save_load_is_bit_exact(tmp_path):

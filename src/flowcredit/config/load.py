@@ -141,12 +141,38 @@ def load_config(
                 print(f"note: {_display(path)} was written by an older flowcredit; read with {'; '.join(notes)}",
                       file=sys.stderr)
 
+    overrides = list(overrides)
+    data = _drop_replaced_options(data, overrides)
     data, override_sources = _apply_overrides(data, overrides)
     for key in override_sources:  # an override replaces the whole subtree the file had set
         for k in [k for k in sources if k and _is_under(k, key)]:
             del sources[k]
     sources.update(override_sources)
     return from_dict(cls, data, source=sources)
+
+
+def _drop_replaced_options(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """A `SECTION.name=X` override naming another implementation than the file's drops the file's SECTION.options:
+    they are the options of the file's implementation (e.g. `model.name=sd3` on a tiny preset, `objective.name=awm`
+    on tiny_nft; the run's config.yaml shows what was used); `SECTION.options.*` overrides then apply to the new
+    one."""
+    pairs = [(t.split("=", 1)[0].strip(), t.split("=", 1)[1]) for t in overrides if isinstance(t, str) and "=" in t]
+    out = data
+    for key, raw in pairs:
+        section, _, leaf = key.partition(".")
+        node = data.get(section)
+        if leaf != "name" or not isinstance(node, dict) or not isinstance(node.get("options"), dict):
+            continue
+        try:
+            new = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            continue  # apply_overrides reports it
+        if not node["options"] or new == node.get("name"):
+            continue
+        if out is data:
+            out = copy.deepcopy(data)
+        del out[section]["options"]
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------

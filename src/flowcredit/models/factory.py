@@ -1,7 +1,7 @@
 """Model families: the registry (name → builder + its own options dataclass) and `build_model`, the trainer's and the
 CLI's single entry point to models.
 
-    MODELS.register("tiny", build_tiny)                          # the built-in shapes model, no options
+    MODELS.register("tiny", build_tiny, TinyOptions)             # the built-in shapes model; model.options: gelu
     MODELS.register("sd3", build_sd3, DiffusersOptions)          # model.options: resolution, max_sequence_length
     MODELS.register("flux", build_flux, FluxOptions)             # ... + embedded_guidance
 
@@ -11,7 +11,7 @@ options plus one `MODELS.register` line. The adapters' heavy imports (diffusers,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +19,7 @@ from ..config.registry import Registry
 from ..config.schema import ModelCfg
 from .diffusers_common import DiffusersOptions
 from .flux import FluxOptions
+from .tiny import TinyOptions
 
 if TYPE_CHECKING:  # the concrete families (each an nn.Module with `.net`, implementing types.FlowModel)
     from .flux import FluxFlowModel
@@ -28,12 +29,13 @@ if TYPE_CHECKING:  # the concrete families (each an nn.Module with `.net`, imple
     PolicyModel = TinyFlowModel | SD3FlowModel | FluxFlowModel
 
 
-def build_tiny(cfg: ModelCfg, opts: Any, device: str) -> TinyFlowModel:
-    """The built-in tiny DiT (`model.path` or the shipped weights); LoRA (peft-style, models/tiny.py) when
-    cfg.trainable == "lora"."""
+def build_tiny(cfg: ModelCfg, opts: TinyOptions, device: str) -> TinyFlowModel:
+    """The built-in tiny DiT (`model.path` or the shipped weights) with its `model.options` (TinyOptions); LoRA
+    (peft-style, models/tiny.py) when cfg.trainable == "lora"."""
     from .tiny import TinyFlowModel
 
     model = TinyFlowModel.load(cfg.path)
+    model.set_gelu(opts.gelu)
     if cfg.trainable == "lora":
         model.add_lora(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
     model = model.to(device)
@@ -62,7 +64,7 @@ def build_flux(cfg: ModelCfg, opts: FluxOptions, device: str) -> FluxFlowModel:
 
 
 MODELS = Registry("model", "model family")
-MODELS.register("tiny", build_tiny, help="the built-in 3.4 M-parameter DiT of the shapes world (CPU)")
+MODELS.register("tiny", build_tiny, TinyOptions, help="the built-in 3.4 M-parameter DiT of the shapes world (CPU)")
 MODELS.register("sd3", build_sd3, DiffusersOptions, help="Stable Diffusion 3 / 3.5 through diffusers")
 MODELS.register("flux", build_flux, FluxOptions, help="FLUX.1 through diffusers")
 

@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +94,21 @@ class WordTokenizer:
 
 
 @dataclass
+class TinyOptions:
+    """`model.options` of the tiny family."""
+
+    gelu: Literal["tanh", "exact"] = field(
+        default="tanh",
+        metadata={
+            "help": "MLP activation: tanh = the GELU approximation the shipped model was pretrained with; exact = "
+            "erf GELU (|Δ| ≤ 4.7e-4 per activation, under bf16's resolution; ≈ 4× faster than the tanh kernel on "
+            "CPU, ≈ 10% of a forward; README 'Where the time goes').",
+            "choices": ("tanh", "exact"),
+        },
+    )
+
+
+@dataclass
 class TinyDiTConfig:
     """Architecture of the tiny DiT (saved as JSON next to the weights)."""
 
@@ -107,6 +122,7 @@ class TinyDiTConfig:
     text_layers: int = 1
     max_text_len: int = 16
     vocabulary: list[str] = field(default_factory=default_vocabulary)
+    gelu: str = "tanh"  # MLP activation: "tanh" approximation (as pretrained) or "exact" (TinyOptions.gelu)
 
     @property
     def num_patches(self) -> int:
@@ -140,18 +156,46 @@ def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     return x * (1 + scale[:, None]) + shift[:, None]
 
 
+def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
+    """softmax(q·kᵀ/√d + mask)·v, the same function in sampling and training.
+
+    Args:
+        q, k, v: (B, heads, N, d). attn_mask: (B, 1, 1, N) bool (True = attend) or None.
+
+    Returns:
+        (B, heads, N, d) in q's dtype.
+
+    bf16 on CPU takes an explicit path: scores and softmax in fp32, probabilities·v in bf16. PyTorch's CPU flash
+    kernel (what `F.scaled_dot_product_attention` picks) is slow for these short sequences (N = 80) in bf16: its
+    backward took 37% of a forward + backward of the whole tiny DiT at batch 64 (torch.profiler, 2 threads, AVX-512),
+    and the explicit path is ≈ 2× faster forward + backward at the same error against an fp32 reference
+    (`benchmarks/bench_model.py --kernels`). fp32 and accelerators keep `F.scaled_dot_product_attention`, which is
+    the faster one there. Either path is deterministic, and rollouts and updates take the same one for a given dtype.
+    """
+    if q.dtype != torch.bfloat16 or q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    with torch.autocast("cpu", enabled=False):  # autocast would cast the fp32 score matmul back to bf16
+        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+        if attn_mask is not None:
+            s = s.masked_fill(~attn_mask, float("-inf"))  # every row attends to the image tokens: never all −inf
+        return torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block with adaLN-zero modulation."""
 
-    def __init__(self, width: int, heads: int, mlp_ratio: float):
+    def __init__(self, width: int, heads: int, mlp_ratio: float, gelu: str = "tanh"):
         super().__init__()
+        if gelu not in ("tanh", "exact"):
+            raise ValueError(f"tiny model config gelu: {gelu!r}; use tanh|exact")
         self.heads = heads
         self.norm1 = nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
         self.norm2 = nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
         hidden = int(width * mlp_ratio)
-        self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, width))
+        act = nn.GELU(approximate="tanh" if gelu == "tanh" else "none")
+        self.mlp = nn.Sequential(nn.Linear(width, hidden), act, nn.Linear(hidden, width))
         ada = nn.Linear(width, 6 * width)
         self.ada = nn.Sequential(nn.SiLU(), ada)
         nn.init.zeros_(ada.weight)
@@ -163,7 +207,7 @@ class Block(nn.Module):
         s1, sc1, g1, s2, sc2, g2 = self.ada(c).chunk(6, dim=-1)
         h = modulate(self.norm1(x), s1, sc1)
         q, k, v = self.qkv(h).view(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        a = attention(q, k, v, attn_mask)
         x = x + g1[:, None] * self.proj(a.transpose(1, 2).reshape(B, N, D))
         x = x + g2[:, None] * self.mlp(modulate(self.norm2(x), s2, sc2))
         return x
@@ -182,7 +226,15 @@ class TextEncoder(nn.Module):
 
     def forward(self, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         h = self.embed(ids) + self.pos[: ids.shape[1]]
-        h = self.norm(self.layers(h, src_key_padding_mask=~mask))
+        # PyTorch's fused "fast path" of TransformerEncoderLayer runs only in eval mode without grad (rollouts), and
+        # gives other numbers than the regular path of updates (bf16: up to 0.06 in the velocity), which would break
+        # "sampling and training use the same velocity function" (on-policy ratio exactly 1): always the regular path.
+        fast = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            h = self.norm(self.layers(h, src_key_padding_mask=~mask))
+        finally:
+            torch.backends.mha.set_fastpath_enabled(fast)
         m = mask.to(h.dtype)[..., None]
         pooled = (h * m).sum(1) / m.sum(1).clamp_min(1.0)
         return h, pooled
@@ -202,7 +254,7 @@ class TinyDiT(nn.Module):
         self.register_buffer("pos_img", sincos_2d(D, cfg.resolution // p), persistent=False)
         self.t_mlp = nn.Sequential(nn.Linear(D, D), nn.SiLU(), nn.Linear(D, D))
         self.pool_mlp = nn.Sequential(nn.Linear(D, D), nn.SiLU(), nn.Linear(D, D))
-        self.blocks = nn.ModuleList([Block(D, cfg.heads, cfg.mlp_ratio) for _ in range(cfg.depth)])
+        self.blocks = nn.ModuleList([Block(D, cfg.heads, cfg.mlp_ratio, cfg.gelu) for _ in range(cfg.depth)])
         self.norm_out = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
         ada_out = nn.Linear(D, 2 * D)
         self.ada_out = nn.Sequential(nn.SiLU(), ada_out)
@@ -225,9 +277,12 @@ class TinyDiT(nn.Module):
         g = R // p
         return tok.reshape(B, g, g, C, p, p).permute(0, 3, 1, 4, 2, 5).reshape(B, C, R, R)
 
-    def forward(self, x_t: Tensor, t: Tensor, ids: Tensor, mask: Tensor) -> Tensor:
-        """x_t: (B, C, R, R); t: (B,); ids, mask: (B, L). Returns v: (B, C, R, R)."""
-        txt, pooled = self.text(ids, mask)
+    def forward(
+        self, x_t: Tensor, t: Tensor, ids: Tensor, mask: Tensor, text: tuple[Tensor, Tensor] | None = None
+    ) -> Tensor:
+        """x_t: (B, C, R, R); t: (B,); ids, mask: (B, L); text: the text encoder's (tokens (B, L, D), pooled (B, D))
+        of these ids if already computed. Returns v: (B, C, R, R)."""
+        txt, pooled = self.text(ids, mask) if text is None else text
         img = self.patch_in(self.patchify(x_t)) + self.pos_img.to(x_t.dtype)
         c = self.t_mlp(timestep_embedding(t, self.cfg.width).to(img.dtype)) + self.pool_mlp(pooled)
         h = torch.cat([txt.to(img.dtype), img], dim=1)
@@ -246,6 +301,7 @@ class TinyDiT(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------
 
 ASSET_DIR = Path(__file__).parent / "assets"
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # Cond["txt_dtype"]: what "txt" was computed in
 # LoRA targets of model.trainable=lora (empty model.lora_targets): every linear layer of the DiT blocks, attention
 # (qkv, proj) and MLP; not the adaLN modulation, embeddings or text encoder.
 DEFAULT_LORA_TARGETS = ("qkv", "proj", "mlp.0", "mlp.2")
@@ -273,16 +329,44 @@ class TinyFlowModel(nn.Module):
         return next(self.parameters()).device
 
     def encode_prompts(self, prompts: Sequence[str]) -> Cond:
+        """{"ids", "mask"}: (B, L) tokens; while the text encoder is frozen (model.trainable = modulation | blocks, and
+        LoRA without text targets) also its output {"txt": (B, L, D), "pooled": (B, D)} and "txt_dtype": (B,) the
+        compute-dtype code it was computed in, so rollouts and updates do not re-encode the same prompts in every
+        forward (≈ 4% of one; `velocity` recomputes when the encoder was unfrozen or the dtype changed since)."""
         ids, mask = self.tokenizer(prompts)
-        return {"ids": ids.to(self.device), "mask": mask.to(self.device)}
+        cond = {"ids": ids.to(self.device), "mask": mask.to(self.device)}
+        if self._text_frozen():
+            with torch.no_grad(), self._autocast(self.device.type):
+                txt, pooled = self.net.text(cond["ids"], cond["mask"])
+            code = torch.full((ids.shape[0],), _DTYPE_CODE[self.compute_dtype], dtype=torch.int8, device=self.device)
+            cond.update(txt=txt, pooled=pooled, txt_dtype=code)
+        return cond
+
+    def _text_frozen(self) -> bool:
+        return not any(p.requires_grad for p in self.net.text.parameters())
+
+    def _autocast(self, device_type: str):
+        if self.compute_dtype != torch.float32 and device_type in ("cpu", "cuda"):
+            return torch.autocast(device_type, dtype=self.compute_dtype)
+        return contextlib.nullcontext()
 
     def velocity(self, x_t: Tensor, t: Tensor, cond: Cond) -> Tensor:
-        if self.compute_dtype != torch.float32 and x_t.device.type in ("cpu", "cuda"):
-            with torch.autocast(x_t.device.type, dtype=self.compute_dtype):
-                v = self.net(x_t, t, cond["ids"], cond["mask"])
-        else:
-            v = self.net(x_t, t, cond["ids"], cond["mask"])
+        text = None
+        code = _DTYPE_CODE[self.compute_dtype]
+        if "txt" in cond and self._text_frozen() and bool((cond["txt_dtype"] == code).all()):
+            text = (cond["txt"], cond["pooled"])  # the frozen encoder's output of these ids, in this dtype
+        with self._autocast(x_t.device.type):
+            v = self.net(x_t, t, cond["ids"], cond["mask"], text)
         return v.float()
+
+    def set_gelu(self, kind: str) -> None:
+        """The MLP activation of every block: "tanh" (as pretrained) or "exact" (erf), `TinyOptions.gelu`."""
+        if kind not in ("tanh", "exact"):
+            raise ValueError(f"model.options.gelu: {kind!r}; use tanh|exact")
+        self.cfg.gelu = kind  # saved with the weights and in checkpoints' model_config
+        for act in self.net.modules():
+            if isinstance(act, nn.GELU):
+                act.approximate = "tanh" if kind == "tanh" else "none"
 
     def decode(self, x0: Tensor) -> Tensor:
         return ((x0.float() + 1.0) / 2.0).clamp(0.0, 1.0)
