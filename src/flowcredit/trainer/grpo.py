@@ -68,6 +68,7 @@ from .harness import (
 )
 from .intermediate import intermediate_rewards
 from .loggers import check_logger_names, save_grid, write_metrics
+from .memory import keep_freed_host_memory
 from .preflight import check_memory
 from .state import CheckpointMixin, TrainingError
 
@@ -129,6 +130,8 @@ class GRPOTrainer(CheckpointMixin):
 
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
+        if cfg.run.keep_freed_memory:
+            keep_freed_host_memory()
         self.dist = Dist.create(cfg.dist.enabled, cfg.run.device)  # accelerate when launched on N processes
         with _one_line():
             dist = self.dist
