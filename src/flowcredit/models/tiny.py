@@ -335,7 +335,7 @@ class TinyFlowModel(nn.Module):
         forward (≈ 4% of one; `velocity` recomputes when the encoder was unfrozen or the dtype changed since)."""
         ids, mask = self.tokenizer(prompts)
         cond = {"ids": ids.to(self.device), "mask": mask.to(self.device)}
-        if self._text_frozen():
+        if self._text_frozen() and not self._text_sharded():
             with torch.no_grad(), self._autocast(self.device.type):
                 txt, pooled = self.net.text(cond["ids"], cond["mask"])
             code = torch.full((ids.shape[0],), _DTYPE_CODE[self.compute_dtype], dtype=torch.int8, device=self.device)
@@ -344,6 +344,14 @@ class TinyFlowModel(nn.Module):
 
     def _text_frozen(self) -> bool:
         return not any(p.requires_grad for p in self.net.text.parameters())
+
+    def _text_sharded(self) -> bool:
+        """FSDP shards the root group, text encoder included, and only the root's forward gathers it: no caching."""
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # a torch without distributed support
+            return False
+        return any(isinstance(p, DTensor) for p in self.net.text.parameters())
 
     def _autocast(self, device_type: str):
         if self.compute_dtype != torch.float32 and device_type in ("cpu", "cuda"):
