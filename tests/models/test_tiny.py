@@ -201,8 +201,13 @@ def test_gelu_option_exact_vs_tanh(tmp_path):
         TinyFlowModel(TinyDiTConfig(**SMALL, gelu="fast"))
 
 
-def test_build_model_applies_the_gelu_option():
+def test_build_model_applies_the_gelu_option(tmp_path):
     assert build_model(ModelCfg(name="tiny")).cfg.gelu == "tanh"  # the shipped model as pretrained
+    saved = _perturbed_model(2)
+    saved.set_gelu("exact")
+    path = saved.save(tmp_path, name="exact")
+    assert build_model(ModelCfg(name="tiny", path=str(path))).cfg.gelu == "exact"  # no option: the weights' config
+    assert build_model(ModelCfg(name="tiny", path=str(path), options={"gelu": "tanh"})).cfg.gelu == "tanh"
     built = build_model(ModelCfg(name="tiny", options={"gelu": "exact"}))
     assert built.cfg.gelu == "exact"
     assert all(m.approximate == "none" for m in built.net.modules() if isinstance(m, torch.nn.GELU))

@@ -35,7 +35,8 @@ def build_tiny(cfg: ModelCfg, opts: TinyOptions, device: str) -> TinyFlowModel:
     from .tiny import TinyFlowModel
 
     model = TinyFlowModel.load(cfg.path)
-    model.set_gelu(opts.gelu)
+    if opts.gelu is not None:  # else what the weights' config says (the shipped model: tanh)
+        model.set_gelu(opts.gelu)
     if cfg.trainable == "lora":
         model.add_lora(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
     model = model.to(device)

@@ -97,13 +97,12 @@ class WordTokenizer:
 class TinyOptions:
     """`model.options` of the tiny family."""
 
-    gelu: Literal["tanh", "exact"] = field(
-        default="tanh",
+    gelu: Literal["tanh", "exact"] | None = field(
+        default=None,
         metadata={
             "help": "MLP activation: tanh = the GELU approximation the shipped model was pretrained with; exact = "
             "erf GELU (|Δ| ≤ 4.7e-4 per activation, under bf16's resolution; ≈ 4× faster than the tanh kernel on "
-            "CPU, ≈ 10% of a forward; README 'Where the time goes').",
-            "choices": ("tanh", "exact"),
+            "CPU, ≈ 10% of a forward; README 'Where the time goes'); null = what the weights' config says.",
         },
     )
 
@@ -152,6 +151,13 @@ def timestep_embedding(t: Tensor, dim: int, max_period: float = 10000.0) -> Tens
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
+def gelu_approximate(kind: str) -> str:
+    """`nn.GELU(approximate=...)` of a tiny-model `gelu` setting: "tanh" → "tanh", "exact" → "none"."""
+    if kind not in ("tanh", "exact"):
+        raise ValueError(f"tiny model gelu: {kind!r}; use tanh|exact (model.options.gelu)")
+    return "tanh" if kind == "tanh" else "none"
+
+
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     return x * (1 + scale[:, None]) + shift[:, None]
 
@@ -186,15 +192,13 @@ class Block(nn.Module):
 
     def __init__(self, width: int, heads: int, mlp_ratio: float, gelu: str = "tanh"):
         super().__init__()
-        if gelu not in ("tanh", "exact"):
-            raise ValueError(f"tiny model config gelu: {gelu!r}; use tanh|exact")
         self.heads = heads
         self.norm1 = nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
         self.norm2 = nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
         hidden = int(width * mlp_ratio)
-        act = nn.GELU(approximate="tanh" if gelu == "tanh" else "none")
+        act = nn.GELU(approximate=gelu_approximate(gelu))
         self.mlp = nn.Sequential(nn.Linear(width, hidden), act, nn.Linear(hidden, width))
         ada = nn.Linear(width, 6 * width)
         self.ada = nn.Sequential(nn.SiLU(), ada)
@@ -369,12 +373,11 @@ class TinyFlowModel(nn.Module):
 
     def set_gelu(self, kind: str) -> None:
         """The MLP activation of every block: "tanh" (as pretrained) or "exact" (erf), `TinyOptions.gelu`."""
-        if kind not in ("tanh", "exact"):
-            raise ValueError(f"model.options.gelu: {kind!r}; use tanh|exact")
+        approximate = gelu_approximate(kind)
         self.cfg.gelu = kind  # saved with the weights and in checkpoints' model_config
         for act in self.net.modules():
             if isinstance(act, nn.GELU):
-                act.approximate = "tanh" if kind == "tanh" else "none"
+                act.approximate = approximate
 
     def decode(self, x0: Tensor) -> Tensor:
         return ((x0.float() + 1.0) / 2.0).clamp(0.0, 1.0)
