@@ -19,6 +19,8 @@ from flowcredit.models.tiny import (
     TinyFlowModel,
     WordTokenizer,
     attention,
+    modulate,
+    timestep_embedding,
 )
 from flowcredit.shapes.prompts import make_splits
 
@@ -122,6 +124,48 @@ def test_attention_fp32_is_sdpa_exactly():
     q, k, v, mask = _qkv_mask(torch.float32)
     assert torch.equal(attention(q, k, v, mask), F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
     assert torch.equal(attention(q, k, v, None), F.scaled_dot_product_attention(q, k, v))
+
+
+def _velocity_without_shortcuts(net, x_t, t, ids, mask):
+    """TinyDiT written out plainly: all max_text_len text positions (padding too) through every block, every token a
+    query in every block, the image tokens taken at the end."""
+    txt, pooled = net.text(ids, mask)
+    img = net.patch_in(net.patchify(x_t)) + net.pos_img
+    c = net.t_mlp(timestep_embedding(t, net.cfg.width)) + net.pool_mlp(pooled)
+    h = torch.cat([txt, img], dim=1)
+    keys = torch.cat([mask, torch.ones(mask.shape[0], img.shape[1], dtype=torch.bool)], 1)[:, None, None, :]
+    for blk in net.blocks:
+        h = blk(h, c, keys)
+    shift, scale = net.ada_out(c).chunk(2, dim=-1)
+    return net.unpatchify(net.patch_out(modulate(net.norm_out(h[:, txt.shape[1] :]), shift, scale)))
+
+
+def test_padding_cut_and_image_only_last_block_compute_the_same_velocity():
+    """The forward cuts the text to the batch's longest prompt and lets only image tokens query in the last block; the
+    velocity equals the plain computation over all 16 positions, and a prompt's velocity does not depend on the
+    length of the other prompts in its batch (cached text encoder included)."""
+    model = _perturbed_model(3)
+    model.net.blocks.append(type(model.net.blocks[0])(32, 2, 4.0))  # depth 2: a block before the last one
+    with torch.no_grad():
+        for p in model.net.blocks[1].parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(4)))
+    prompts = ["a photo of a red circle", "a photo of two blue squares left of a green triangle"]
+    x, t = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(0)), torch.tensor([0.9, 0.4])
+    cond = model.encode_prompts(prompts)
+    assert int(cond["mask"].sum(1).max()) < model.cfg.max_text_len  # padding to cut
+    with torch.no_grad():
+        v = model.velocity(x, t, cond)
+        plain = _velocity_without_shortcuts(model.net, x, t, cond["ids"], cond["mask"])
+        alone = model.velocity(x[:1], t[:1], model.encode_prompts(prompts[:1]))  # cut to 6 instead of 12 tokens
+        torch.testing.assert_close(v, plain, rtol=0, atol=1e-5)
+        torch.testing.assert_close(alone, v[:1], rtol=0, atol=1e-5)
+        model.net.text.requires_grad_(False)  # frozen: encode_prompts caches the (cut) encoder output
+        cached = model.encode_prompts(prompts)
+        assert cached["txt"].shape[1] == model.cfg.max_text_len
+        v_cached, v_recomputed = model.velocity(x, t, cached), model.velocity(x, t, {k: cond[k] for k in ("ids", "mask")})
+        assert torch.equal(v_cached, v_recomputed)  # the cache holds what the forward computes on the cut text
+        torch.testing.assert_close(v_cached, v, rtol=0, atol=1e-5)
+    assert v.abs().mean() > 0.1  # a non-trivial velocity
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

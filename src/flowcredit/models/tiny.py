@@ -187,6 +187,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tens
         return torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)
 
 
+def longest_prompt(mask: Tensor) -> int:
+    """mask: (B, L) bool, right-padded prompts. The length of the longest one ([CLS] included), at least 1."""
+    return max(int(mask.sum(1).max()), 1) if mask.numel() else mask.shape[1]
+
+
 class Block(nn.Module):
     """Pre-norm transformer block with adaLN-zero modulation."""
 
@@ -205,14 +210,20 @@ class Block(nn.Module):
         nn.init.zeros_(ada.weight)
         nn.init.zeros_(ada.bias)
 
-    def forward(self, x: Tensor, c: Tensor, attn_mask: Tensor | None) -> Tensor:
-        """x: (B, N, D) tokens; c: (B, D) conditioning; attn_mask: (B, 1, 1, N) bool (True = attend) or None."""
+    def forward(self, x: Tensor, c: Tensor, attn_mask: Tensor | None, first_out: int = 0) -> Tensor:
+        """x: (B, N, D) tokens; c: (B, D) conditioning; attn_mask: (B, 1, 1, N) bool (True = attend) or None.
+
+        Returns (B, N − first_out, D): the tokens from `first_out` on. Every token is a key and value, but only those
+        rows are queries and go through the projection and MLP (the last block: the image tokens only).
+        """
         B, N, D = x.shape
         s1, sc1, g1, s2, sc2, g2 = self.ada(c).chunk(6, dim=-1)
         h = modulate(self.norm1(x), s1, sc1)
         q, k, v = self.qkv(h).view(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        if first_out:
+            q, x = q[:, :, first_out:], x[:, first_out:]
         a = attention(q, k, v, attn_mask)
-        x = x + g1[:, None] * self.proj(a.transpose(1, 2).reshape(B, N, D))
+        x = x + g1[:, None] * self.proj(a.transpose(1, 2).reshape(B, N - first_out, D))
         x = x + g2[:, None] * self.mlp(modulate(self.norm2(x), s2, sc2))
         return x
 
@@ -285,18 +296,25 @@ class TinyDiT(nn.Module):
         self, x_t: Tensor, t: Tensor, ids: Tensor, mask: Tensor, text: tuple[Tensor, Tensor] | None = None
     ) -> Tensor:
         """x_t: (B, C, R, R); t: (B,); ids, mask: (B, L); text: the text encoder's (tokens (B, L, D), pooled (B, D))
-        of these ids if already computed. Returns v: (B, C, R, R)."""
-        txt, pooled = self.text(ids, mask) if text is None else text
+        of these ids if already computed. Returns v: (B, C, R, R).
+
+        Prompts are right-padded to max_text_len, and padding is a masked key everywhere whose own outputs no image
+        token reads, so the text is cut to the longest prompt of the batch (shapes prompts: ≤ 11 of 16 tokens, 75
+        instead of 80 tokens per block) and the last block computes the image tokens only (their velocity is all the
+        model returns): the same function with ≈ 9% fewer FLOPs (`tests/models/test_tiny.py` checks the invariance).
+        """
+        n = longest_prompt(mask)
+        ids, mask = ids[:, :n], mask[:, :n]
+        txt, pooled = self.text(ids, mask) if text is None else (text[0][:, :n], text[1])
         img = self.patch_in(self.patchify(x_t)) + self.pos_img.to(x_t.dtype)
         c = self.t_mlp(timestep_embedding(t, self.cfg.width).to(img.dtype)) + self.pool_mlp(pooled)
         h = torch.cat([txt.to(img.dtype), img], dim=1)
-        L = txt.shape[1]
         key_ok = torch.cat([mask, torch.ones(mask.shape[0], img.shape[1], dtype=torch.bool, device=mask.device)], 1)
         attn_mask = key_ok[:, None, None, :]
-        for blk in self.blocks:
-            h = blk(h, c, attn_mask)
+        for i, blk in enumerate(self.blocks):
+            h = blk(h, c, attn_mask, first_out=n if i == len(self.blocks) - 1 else 0)
         shift, scale = self.ada_out(c).chunk(2, dim=-1)
-        out = self.patch_out(modulate(self.norm_out(h[:, L:]), shift, scale))
+        out = self.patch_out(modulate(self.norm_out(h[:, h.shape[1] - img.shape[1] :]), shift, scale))
         return self.unpatchify(out)
 
 
@@ -340,8 +358,10 @@ class TinyFlowModel(nn.Module):
         ids, mask = self.tokenizer(prompts)
         cond = {"ids": ids.to(self.device), "mask": mask.to(self.device)}
         if self._text_frozen() and not self._text_sharded():
+            n = longest_prompt(mask)  # as in TinyDiT.forward, so the cached output is bit-identical to recomputing
             with torch.no_grad(), self._autocast(self.device.type):
-                txt, pooled = self.net.text(cond["ids"], cond["mask"])
+                txt, pooled = self.net.text(cond["ids"][:, :n], cond["mask"][:, :n])
+            txt = F.pad(txt, (0, 0, 0, ids.shape[1] - n))  # (B, L, D): padding rows are never read
             code = torch.full((ids.shape[0],), _DTYPE_CODE[self.compute_dtype], dtype=torch.int8, device=self.device)
             cond.update(txt=txt, pooled=pooled, txt_dtype=code)
         return cond

@@ -133,12 +133,12 @@ def enable_gradient_checkpointing(model) -> bool:
 
 
 def _checkpointed(forward):
-    def run(*args):
+    def run(*args, **kwargs):
         if torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
 
-            return checkpoint(forward, *args, use_reentrant=False)
-        return forward(*args)
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return forward(*args, **kwargs)
 
     return run
 
