@@ -42,6 +42,16 @@ class AWMOptions:
             "choices": ("fresh", "rollout"),
         },
     )
+    kl_fraction: float = field(
+        default=1.0,
+        metadata={
+            "help": "Fraction of the trained pairs that get a reference forward for the KL term (optim.kl_beta), "
+            "each drawn with this probability and weighted by its inverse: the same penalty in expectation for that "
+            "fraction of the reference forwards (1 = every pair).",
+            "gt": 0,
+            "le": 1,
+        },
+    )
 
 
 def matching_log_prob(v: Tensor, target: Tensor, t: Tensor, weighting: str) -> Tensor:
@@ -61,7 +71,7 @@ class AWMObjective:
 
     def __init__(self, options: AWMOptions):
         self.options = options
-        self.fp = ForwardProcess(options.noise)
+        self.fp = ForwardProcess(options.noise, kl_fraction=options.kl_fraction)
         self.old_lp: Tensor | None = None
 
     def skip_zero_advantage(self, on_policy: bool, kl_beta: float) -> bool:
@@ -88,7 +98,7 @@ class AWMObjective:
         lp = matching_log_prob(v, eps - x0, t, self.options.weighting)
         old = lp.detach() if self.old_lp is None else self.old_lp[bi, ji].to(lp.device)
         loss, st = clipped_surrogate(lp, old, adv, self.options.clip_range)
-        kl, nfe = self.fp.velocity_kl(ctx, v, x_t, t, bi)
+        kl, nfe = self.fp.velocity_kl(ctx, v, x_t, t, bi, ji)
         loss = loss + ctx.kl_beta * kl
         n = len(bi)
         sums = {k: float(val) * n for k, val in st.items()}

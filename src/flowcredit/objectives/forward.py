@@ -27,14 +27,17 @@ from ..types import Trajectory, cond_index
 from .base import LossContext, first_steps
 
 STREAM_FORWARD_NOISE = 0x4E4654  # derived_generator stream of the forward-process noise ("NFT")
+STREAM_KL_PAIRS = 0x4B4C50  # the pairs whose KL term is estimated (kl_fraction < 1), "KLP"
 
 NoiseMode = Literal["fresh", "rollout"]
 
 
-def noise_generator(seed: int, iteration: int, group: int | None = None) -> torch.Generator:
+def noise_generator(
+    seed: int, iteration: int, group: int | None = None, stream: int = STREAM_FORWARD_NOISE
+) -> torch.Generator:
     """CPU generator of the forward-process noise of one iteration (the same on every rank and every resume); with
-    `group`, the generator of that prompt group's shared noise (crn)."""
-    key = [int(seed) & 0xFFFFFFFF, STREAM_FORWARD_NOISE, int(iteration)] + ([] if group is None else [int(group)])
+    `group`, the generator of that prompt group's shared noise (crn); `stream` separates other per-update draws."""
+    key = [int(seed) & 0xFFFFFFFF, int(stream), int(iteration)] + ([] if group is None else [int(group)])
     seq = np.random.SeedSequence(key)
     s = seq.generate_state(2, np.uint32)
     return torch.Generator(device="cpu").manual_seed(int(s[0]) << 31 ^ int(s[1]))
@@ -48,15 +51,19 @@ class ForwardProcess:
         crn: common random numbers within a prompt group: every member is noised with the same ε at the same trained
             steps (`shares_steps_in_group`), so the part of the flow-matching gradient that does not depend on the
             sample cancels in Σ_b A_b ∇ℓ_b (group-centred advantages sum to 0). ALGORITHMS.md §9.1.
+        kl_fraction: f, the fraction of pairs whose KL term is computed (`velocity_kl`); 1 = every pair.
         eps: (B, T, *latent) fresh noise of the current update (noise=fresh).
         v_old: (B, T, *latent) velocities of θ at the start of the update where pairs are trained (off-policy only).
+        kl_keep: (B, T) bool, the pairs of this update whose KL term is computed (kl_fraction < 1 only).
     """
 
-    def __init__(self, noise: NoiseMode, crn: bool = False):
+    def __init__(self, noise: NoiseMode, crn: bool = False, kl_fraction: float = 1.0):
         self.noise = noise
         self.crn = crn
+        self.kl_fraction = kl_fraction
         self.eps: Tensor | None = None
         self.v_old: Tensor | None = None
+        self.kl_keep: Tensor | None = None
 
     @staticmethod
     def trained_steps(traj: Trajectory, timestep_fraction: float) -> Tensor:
@@ -80,6 +87,10 @@ class ForwardProcess:
             else:
                 eps = torch.randn(shape, generator=noise_generator(ctx.seed, ctx.iteration), dtype=torch.float32)
             self.eps = eps.to(device=lat.device, dtype=lat.dtype)
+        self.kl_keep = None
+        if self.kl_fraction < 1:  # each pair independently, seeded like the noise: the same on every rank and resume
+            gen = noise_generator(ctx.seed, ctx.iteration, stream=STREAM_KL_PAIRS)
+            self.kl_keep = torch.rand((lat.shape[0], traj.num_steps), generator=gen) < self.kl_fraction
         self.v_old = None
         if ctx.on_policy or not pairs:
             return 0
@@ -120,13 +131,31 @@ class ForwardProcess:
         """π_old's velocity of the pairs: v.detach() on-policy (θ_old = θ), else the one recorded in `prepare`."""
         return v.detach() if self.v_old is None else self.v_old[bi, ji]
 
-    @staticmethod
-    def velocity_kl(ctx: LossContext, v: Tensor, x_t: Tensor, t: Tensor, bi: Tensor) -> tuple[Tensor, int]:
+    def velocity_kl(
+        self, ctx: LossContext, v: Tensor, x_t: Tensor, t: Tensor, bi: Tensor, ji: Tensor
+    ) -> tuple[Tensor, int]:
         """(n,) mean_d (v_θ − v_ref)² (DiffusionNFT's and AWM's KL in velocity space) and the NFEs it cost; zeros
-        without a reference forward when optim.kl_beta = 0."""
+        without a reference forward when optim.kl_beta = 0.
+
+        With kl_fraction f < 1 only the pairs drawn in `prepare` (each with probability f) get a reference forward,
+        and their term is divided by f: an unbiased estimate of the same penalty (and of its gradient) for f of the
+        reference forwards (ALGORITHMS.md §9.4). The others' term is 0.
+        """
+        n = v.shape[0]
         if ctx.kl_beta <= 0:
-            return torch.zeros(v.shape[0], device=v.device), 0
+            return torch.zeros(n, device=v.device), 0
+        keep = None if self.kl_keep is None else self.kl_keep[bi.cpu(), ji.cpu()].to(v.device)
+        rows = bi if keep is None else bi[keep.to(bi.device)]
+        if len(rows) == 0:
+            return torch.zeros(n, device=v.device), 0
         with torch.no_grad(), ctx.reference() as ref_model:
-            v_ref = ForwardProcess.velocity(ctx, ref_model, x_t, t, bi)
-        kl = (v.float() - v_ref.float()).pow(2).flatten(1).mean(1)
-        return kl, len(bi) * nfe_per_sample(ctx.uncond, ctx.guidance)
+            if keep is None:
+                v_ref = ForwardProcess.velocity(ctx, ref_model, x_t, t, bi)
+            else:
+                v_ref = ForwardProcess.velocity(ctx, ref_model, x_t[keep], t[keep], rows)
+        if keep is None:
+            kl = (v.float() - v_ref.float()).pow(2).flatten(1).mean(1)
+        else:
+            d = (v[keep].float() - v_ref.float()).pow(2).flatten(1).mean(1) / self.kl_fraction
+            kl = torch.zeros(n, device=v.device).masked_scatter(keep, d)
+        return kl, len(rows) * nfe_per_sample(ctx.uncond, ctx.guidance)

@@ -60,6 +60,16 @@ class NFTOptions:
             "ε, so sample-independent gradient noise cancels in the group-centred advantage sum (noise=fresh)."
         },
     )
+    kl_fraction: float = field(
+        default=1.0,
+        metadata={
+            "help": "Fraction of the trained pairs that get a reference forward for the KL term (optim.kl_beta), "
+            "each drawn with this probability and weighted by its inverse: the same penalty in expectation for that "
+            "fraction of the reference forwards (1 = every pair).",
+            "gt": 0,
+            "le": 1,
+        },
+    )
     adv_mode: AdvMode = field(
         default="all",
         metadata={
@@ -136,7 +146,7 @@ class NFTObjective:
 
     def __init__(self, options: NFTOptions):
         self.options = options
-        self.fp = ForwardProcess(options.noise, options.crn)
+        self.fp = ForwardProcess(options.noise, options.crn, options.kl_fraction)
         self.shares_steps_in_group: bool = options.crn
 
     def skip_zero_advantage(self, on_policy: bool, kl_beta: float) -> bool:
@@ -154,7 +164,7 @@ class NFTObjective:
         v = self.fp.velocity(ctx, ctx.model, x_t, t, bi)
         v_old = self.fp.old_velocity(ctx, v, bi, ji)
         loss, st = nft_pair_loss(v, v_old, x_t, t, x0, adv, self.options)
-        kl, nfe = self.fp.velocity_kl(ctx, v, x_t, t, bi)
+        kl, nfe = self.fp.velocity_kl(ctx, v, x_t, t, bi, ji)
         loss = loss + ctx.kl_beta * kl
         sums = {
             "kl": float(kl.detach().sum()),
