@@ -45,6 +45,7 @@ class FakeJudge:
                     action = judge.script.pop(0) if judge.script else ("default",)
                     judge.inflight += 1
                     judge.max_inflight = max(judge.max_inflight, judge.inflight)
+                    self._counted_out = False
                 try:
                     time.sleep(judge.delay)
                     if action[0] == "500":
@@ -67,10 +68,18 @@ class FakeJudge:
                 except (BrokenPipeError, ConnectionResetError):
                     pass
                 finally:
+                    self._done()
+
+            def _done(self):
+                # leave the in-flight count BEFORE the answer goes out: the client may send its next request as soon
+                # as it has read this one, before this thread runs again (3 "in flight" under load otherwise)
+                if not getattr(self, "_counted_out", False):
+                    self._counted_out = True
                     with judge.lock:
                         judge.inflight -= 1
 
             def _send(self, code, data):
+                self._done()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
