@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..types import Trajectory
 from .base import LossContext, LossOut, register_objective
-from .forward import ForwardProcess, NoiseMode
+from .forward import ForwardProcess, NoiseMode, kl_fraction_field
 from .grpo import clipped_surrogate
 
 
@@ -42,16 +42,7 @@ class AWMOptions:
             "choices": ("fresh", "rollout"),
         },
     )
-    kl_fraction: float = field(
-        default=1.0,
-        metadata={
-            "help": "Fraction of the trained pairs that get a reference forward for the KL term (optim.kl_beta), "
-            "each drawn with this probability and weighted by its inverse: the same penalty in expectation for that "
-            "fraction of the reference forwards (1 = every pair).",
-            "gt": 0,
-            "le": 1,
-        },
-    )
+    kl_fraction: float = kl_fraction_field()
 
 
 def matching_log_prob(v: Tensor, target: Tensor, t: Tensor, weighting: str) -> Tensor:

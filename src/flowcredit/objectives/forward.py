@@ -16,7 +16,8 @@ The rollout may be the ODE (no log-probs needed): the trained steps are the firs
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import field
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -41,6 +42,20 @@ def noise_generator(
     seq = np.random.SeedSequence(key)
     s = seq.generate_state(2, np.uint32)
     return torch.Generator(device="cpu").manual_seed(int(s[0]) << 31 ^ int(s[1]))
+
+
+def kl_fraction_field() -> Any:
+    """The `kl_fraction` option of the forward-process objectives' options (see `ForwardProcess.velocity_kl`)."""
+    return field(
+        default=1.0,
+        metadata={
+            "help": "Fraction of the trained pairs that get a reference forward for the KL term (optim.kl_beta), "
+            "each drawn with this probability and weighted by its inverse: the same penalty in expectation for that "
+            "fraction of the reference forwards (1 = every pair).",
+            "gt": 0,
+            "le": 1,
+        },
+    )
 
 
 class ForwardProcess:

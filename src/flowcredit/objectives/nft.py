@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..types import Trajectory
 from .base import LossContext, LossOut, register_objective
-from .forward import ForwardProcess, NoiseMode
+from .forward import ForwardProcess, NoiseMode, kl_fraction_field
 
 AdvMode = Literal["all", "positive_only", "negative_only", "binary"]
 
@@ -60,16 +60,7 @@ class NFTOptions:
             "ε, so sample-independent gradient noise cancels in the group-centred advantage sum (noise=fresh)."
         },
     )
-    kl_fraction: float = field(
-        default=1.0,
-        metadata={
-            "help": "Fraction of the trained pairs that get a reference forward for the KL term (optim.kl_beta), "
-            "each drawn with this probability and weighted by its inverse: the same penalty in expectation for that "
-            "fraction of the reference forwards (1 = every pair).",
-            "gt": 0,
-            "le": 1,
-        },
-    )
+    kl_fraction: float = kl_fraction_field()
     adv_mode: AdvMode = field(
         default="all",
         metadata={
