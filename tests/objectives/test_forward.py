@@ -37,43 +37,52 @@ def _ctx(policy, ref, iteration=1):
     )
 
 
-def _kl(fp, policy, ref, iteration=1):
+def _kl(fp, policy, ref, iteration=1, micro_batch=B * T):
+    """The KL terms of all B·T pairs, computed micro-batch by micro-batch (pairs in (b, j) order)."""
     ctx = _ctx(policy, ref, iteration)
     pairs = [(b, j) for b in range(B) for j in range(T)]
     fp.prepare(ctx, pairs)
-    bi, ji = torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
-    x_t, t, _, _ = fp.noised(ctx, bi, ji)
-    v = fp.velocity(ctx, policy, x_t, t, bi)
-    kl, nfe = fp.velocity_kl(ctx, v, x_t, t, bi, ji)
-    return kl, nfe, fp.kl_keep
+    kls, nfe = [], 0
+    for s in range(0, len(pairs), micro_batch):
+        bi = torch.tensor([p[0] for p in pairs[s : s + micro_batch]])
+        ji = torch.tensor([p[1] for p in pairs[s : s + micro_batch]])
+        x_t, t, _, _ = fp.noised(ctx, bi, ji)
+        v = fp.velocity(ctx, policy, x_t, t, bi)
+        kl, n = fp.velocity_kl(ctx, v, x_t, t, bi, ji)
+        kls.append(kl)
+        nfe += n
+    return torch.cat(kls), nfe
 
 
 def test_kl_fraction_one_is_the_full_term():
     policy, ref = Linear(1.3), Linear(1.0)
-    kl, nfe, keep = _kl(ForwardProcess("fresh"), policy, ref)
-    assert keep is None and nfe == B * T and ref.calls == [B * T]
+    kl, nfe = _kl(ForwardProcess("rollout"), policy, ref)
+    assert nfe == B * T and ref.calls == [B * T]
     assert (kl > 0).all()
 
 
-def test_kl_fraction_computes_the_drawn_pairs_only_and_is_unbiased():
+def test_kl_fraction_computes_a_fixed_size_random_subset_and_is_unbiased():
     policy, ref = Linear(1.3), Linear(1.0)
-    full, _, _ = _kl(ForwardProcess("fresh"), policy, ref)
-    f = 0.25
-    est, nfe, keep = _kl(ForwardProcess("fresh", kl_fraction=f), policy, ref)
-    kept = keep.flatten()
-    assert 0 < kept.sum() < B * T and nfe == int(kept.sum()) and ref.calls[-1] == int(kept.sum())
-    torch.testing.assert_close(est[kept], full[kept] / f)  # the drawn pairs: their term over f
-    assert (est[~kept] == 0).all()
+    full, _ = _kl(ForwardProcess("rollout"), policy, ref)
+    f, mb = 0.25, 16  # 4 micro-batches of 16 pairs: 4 reference rows each, weighted 16/4
+    est, nfe = _kl(ForwardProcess("rollout", kl_fraction=f), policy, ref, micro_batch=mb)
+    kept = est != 0
+    assert ref.calls[-4:] == [4, 4, 4, 4] and nfe == 16 and int(kept.sum()) == 16
+    assert all(int(kept[s : s + mb].sum()) == 4 for s in range(0, B * T, mb))
+    torch.testing.assert_close(est[kept], full[kept] * 4)  # the drawn pairs: their term times n/k
     # the same draw on a resume / another rank (seeded by run seed and iteration), another one next iteration
-    assert torch.equal(_kl(ForwardProcess("fresh", kl_fraction=f), policy, ref)[2], keep)
-    assert not torch.equal(_kl(ForwardProcess("fresh", kl_fraction=f), policy, ref, iteration=2)[2], keep)
-    # unbiased: over many updates each pair is drawn with probability f
-    freq = torch.stack([_kl(ForwardProcess("fresh", kl_fraction=f), policy, ref, i)[2].float() for i in range(300)])
-    assert freq.mean().item() == pytest.approx(f, abs=0.01)
+    assert torch.equal(_kl(ForwardProcess("rollout", kl_fraction=f), policy, ref, micro_batch=mb)[0] != 0, kept)
+    assert not torch.equal(_kl(ForwardProcess("rollout", kl_fraction=f), policy, ref, 2, micro_batch=mb)[0] != 0, kept)
+    # unbiased: over many updates each pair is drawn with probability k/n = f, so the mean estimate is the full term
+    # (noise=rollout: x_t are the rollout states, so the full term is the same in every update)
+    runs = [_kl(ForwardProcess("rollout", kl_fraction=f), policy, ref, i, micro_batch=mb)[0] for i in range(400)]
+    freq = torch.stack([r != 0 for r in runs]).float().mean(0)
+    assert (freq - f).abs().max() < 0.1 and freq.mean().item() == pytest.approx(f, abs=1e-6)
+    torch.testing.assert_close(torch.stack(runs).mean(0).sum(), full.sum(), rtol=0.03, atol=0)
 
 
 def test_kl_fraction_gradient_flows_through_the_drawn_pairs():
     policy, ref = Linear(1.3), Linear(1.0)
-    est, _, _ = _kl(ForwardProcess("fresh", kl_fraction=0.5), policy, ref)
+    est, _ = _kl(ForwardProcess("rollout", kl_fraction=0.5), policy, ref)
     est.sum().backward()
     assert policy.a.grad is not None and policy.a.grad > 0  # the KL pulls a = 1.3 back toward the reference's 1.0
