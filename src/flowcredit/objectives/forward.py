@@ -49,9 +49,9 @@ def kl_fraction_field() -> Any:
     return field(
         default=1.0,
         metadata={
-            "help": "Fraction of the trained pairs that get a reference forward for the KL term (optim.kl_beta), "
-            "each drawn with this probability and weighted by its inverse: the same penalty in expectation for that "
-            "fraction of the reference forwards (1 = every pair).",
+            "help": "Fraction of the trained pairs that get a reference forward for the KL term (optim.kl_beta): a "
+            "random subset of that size of each micro-batch, weighted by the inverse fraction, so the same penalty in "
+            "expectation for that fraction of the reference forwards (1 = every pair).",
             "gt": 0,
             "le": 1,
         },
