@@ -162,22 +162,13 @@ class ForwardProcess:
         n = v.shape[0]
         if ctx.kl_beta <= 0:
             return torch.zeros(n, device=v.device), 0
-        keep = None
-        if self.kl_u is not None:
-            k = min(n, max(1, round(self.kl_fraction * n)))
-            chosen = torch.argsort(self.kl_u[bi.cpu(), ji.cpu()])[:k]
-            keep = torch.zeros(n, dtype=torch.bool)
-            keep[chosen] = True
-            keep = keep.to(v.device)
-        rows = bi if keep is None else bi[keep.to(bi.device)]
-        with torch.no_grad(), ctx.reference() as ref_model:
-            if keep is None:
+        if self.kl_u is None:
+            with torch.no_grad(), ctx.reference() as ref_model:
                 v_ref = ForwardProcess.velocity(ctx, ref_model, x_t, t, bi)
-            else:
-                v_ref = ForwardProcess.velocity(ctx, ref_model, x_t[keep], t[keep], rows)
-        if keep is None:
-            kl = (v.float() - v_ref.float()).pow(2).flatten(1).mean(1)
-        else:
-            d = (v[keep].float() - v_ref.float()).pow(2).flatten(1).mean(1) * (n / len(rows))
-            kl = torch.zeros(n, device=v.device).masked_scatter(keep, d)
-        return kl, len(rows) * nfe_per_sample(ctx.uncond, ctx.guidance)
+            return (v.float() - v_ref.float()).pow(2).flatten(1).mean(1), n * nfe_per_sample(ctx.uncond, ctx.guidance)
+        k = min(n, max(1, round(self.kl_fraction * n)))
+        sel = torch.argsort(self.kl_u[bi.cpu(), ji.cpu()])[:k].to(v.device)
+        with torch.no_grad(), ctx.reference() as ref_model:
+            v_ref = ForwardProcess.velocity(ctx, ref_model, x_t[sel], t[sel], bi[sel.to(bi.device)])
+        d = (v[sel].float() - v_ref.float()).pow(2).flatten(1).mean(1) * (n / k)
+        return torch.zeros(n, device=v.device).index_put((sel,), d), k * nfe_per_sample(ctx.uncond, ctx.guidance)
