@@ -77,6 +77,34 @@ def test_per_step_normalization_hand_example():
     torch.testing.assert_close(got, expected)
 
 
+def test_per_step_mean_normalization_hand_example():
+    # centre per step with the per-step means [1.5, -1, 2.5]: c = [[-0.5, 1, 0.5], [0.5, -1, -0.5]];
+    # one std per group over the 6 centred values (mean 0): variance (0.25 + 1 + 0.25)·2 / 6 = 0.5
+    c = torch.tensor([[-0.5, 1.0, 0.5], [0.5, -1.0, -0.5]])
+    expected = c / (math.sqrt(0.5) + EPS)
+    got = normalize_gains(GAINS, torch.tensor([0, 0]), scope="per_step_mean", eps=EPS)
+    torch.testing.assert_close(got, expected)
+    # per_step would give step 1 and step 0 the same size (±1); here step 1 (spread 2) is twice step 0 (spread 1)
+    torch.testing.assert_close(got[:, 1].abs(), 2 * got[:, 0].abs())
+
+
+def test_per_step_mean_reward_to_go_sums_to_zero_per_step_and_starts_at_the_group_relative_reward():
+    # reward-to-go ρ_T − ρ_j (GAE with γ = λ = 1) centred per group and step: no (group, step) pulls or pushes on
+    # net, and with ρ_0 shared in a group step 0 carries the group-relative final reward r − mean_g r
+    gen = torch.Generator().manual_seed(4)
+    group_ids = torch.arange(3).repeat_interleave(4)
+    rho = torch.rand(12, 6, generator=gen, dtype=torch.float64)
+    rho[:, 0] = rho[group_ids * 4, 0]
+    opts = StepwiseOptions(norm="per_step_mean", use_gae=True, gae_gamma=1.0, gae_lambda=1.0)
+    adv = stepwise_advantages(make_input(rho, group_ids), opts, CreditCfg(name="stepwise")).advantages
+    for gid in range(3):
+        sel = group_ids == gid
+        torch.testing.assert_close(adv[sel].sum(0), torch.zeros(5, dtype=torch.float64), rtol=0, atol=1e-12)
+        r = rho[sel, -1]
+        rel = (r - r.mean()) / (r - r.mean()).norm()
+        torch.testing.assert_close(adv[sel, 0] / adv[sel, 0].norm(), rel, rtol=0, atol=1e-9)
+
+
 def test_groups_are_independent_and_global_std():
     # group 1 has doubled gains: [[2, 0, 6], [4, -4, 4]]; joint per group gives (up to ε) the same advantages.
     # global: per-group joint means 1 and 2; the std is over all 12 gains of the batch:
@@ -98,7 +126,7 @@ def test_step_mask_excludes_columns_from_statistics():
     torch.testing.assert_close(got, expected)
 
 
-@pytest.mark.parametrize("scope", ["joint", "per_step", "global"])
+@pytest.mark.parametrize("scope", ["joint", "per_step", "global", "per_step_mean"])
 def test_zero_variance_groups_give_zeros(scope):
     # group 0: every trajectory has gains [0.25, 0.25, 0.25] (constant group, and constant per step; values exact in
     # binary — with ρ = [0, .1, .2, .3] the float gains differ in the last bit and the group is not constant)

@@ -7,6 +7,7 @@
 Variants (§4.3 ablation, §4.6 variants that lost to the plain gain; formulas are best guesses [G]):
     ``per_step``  μ, σ per group and step, over the N trajectories (Fig. 9);
     ``global``    μ per group (joint), σ over every gain of the batch (A5, Flow-GRPO ``global_std`` style);
+    ``per_step_mean``  μ per group and step, σ per group over its N·T centred gains (ours [R], §9.1);
     ``ema``       μ replaced by a per-step baseline b_j ← λ·b_j + (1−λ)·mean_batch g_j kept across iterations;
     ``use_gae``   g replaced by A_j = Σ_{l≥0} (γλ)^l g_{j+l} (value ≡ 0), so γ = λ = 1 gives ρ_T − ρ_j.
 
@@ -41,12 +42,14 @@ EMA_STATE_KEY = "stepwise_ema_baseline"
 class StepwiseOptions:
     """`credit.options` of stepwise (ALGORITHMS.md §4.2–4.6)."""
 
-    norm: Literal["joint", "per_step", "global"] = field(
+    norm: Literal["joint", "per_step", "global", "per_step_mean"] = field(
         default="joint",
         metadata={
             "help": "Gain normalization: 'joint' = per-group mean/std over the group's N·T gains (paper Eq. 5); "
             "'per_step' = per-group mean/std at each step over N trajectories (ablation, Fig. 9); 'global' = "
-            "per-group joint mean, batch-wide std of all gains (A5)."
+            "per-group joint mean, batch-wide std of all gains (A5); 'per_step_mean' = per-group mean at each step, "
+            "one std per group over its N·T centred gains (ours, §9.1: no net pull per step, and steps with small "
+            "spread keep small advantages)."
         },
     )
     baseline: Literal["none", "ema"] = field(
@@ -140,6 +143,10 @@ def normalize_gains(
     ``joint``:    Ã_ij = (g_ij − μ_g) / (σ_g + ε), μ_g, σ_g over the group's N·T gains.
     ``per_step``: Ã_ij = (g_ij − μ_gj) / (σ_gj + ε), μ_gj, σ_gj over the group's N gains at step j.
     ``global``:   Ã_ij = (g_ij − μ_g) / (σ + ε), μ_g joint per group, σ over all gains of the batch.
+    ``per_step_mean``: Ã_ij = c_ij / (σ_g + ε), c_ij = g_ij − μ_gj (μ_gj over the group's N gains at step j; c = 0
+                  exactly where those are all equal), σ_g the std of the group's N·T centred values c. Every
+                  (group, step) sums to zero, as per_step, but a step whose gains barely differ keeps advantages
+                  near 0 instead of being scaled up to unit size.
 
     With ``baseline`` b (T,), μ is replaced by b_j (EMA variant) and σ is unchanged. A cell whose gains are all
     equal (σ exactly 0: a whole group for joint/global, a (group, step) for per_step) gets exactly 0: with no
@@ -148,7 +155,7 @@ def normalize_gains(
     Args:
         gains: (B, T) gains (or GAE returns).
         group_ids: (B,) int64.
-        scope: ``"joint"``, ``"per_step"`` or ``"global"``.
+        scope: ``"joint"``, ``"per_step"``, ``"global"`` or ``"per_step_mean"``.
         eps: ε.
         step_mask: (T,) bool; False columns are left out of the statistics (their output is still computed).
         baseline: (T,) per-step baseline replacing the group mean, or None.
@@ -157,8 +164,18 @@ def normalize_gains(
         (B, T) normalized gains.
     """
     inverse, num_groups = group_index(group_ids)
-    if scope not in ("joint", "per_step", "global"):
-        raise ValueError(f"scope must be 'joint', 'per_step' or 'global'; got {scope!r}.")
+    if scope not in ("joint", "per_step", "global", "per_step_mean"):
+        raise ValueError(f"scope must be 'joint', 'per_step', 'global' or 'per_step_mean'; got {scope!r}.")
+    if scope == "per_step_mean":
+        cell = group_moments(gains, inverse, num_groups, step_mask=step_mask)  # (P, T): per group and step
+        c_center = cell.mean[inverse] if baseline is None else baseline.to(gains.device, gains.dtype)[None, :]
+        c_const = cell.constant[inverse] if baseline is None else torch.zeros_like(gains, dtype=torch.bool)
+        centred = torch.where(c_const, torch.zeros_like(gains), gains - c_center)
+        pooled = group_moments(centred, inverse, num_groups, step_mask=step_mask, pool_steps=True)  # (P, 1)
+        constant = pooled.constant[inverse] | group_moments(
+            gains, inverse, num_groups, step_mask=step_mask, pool_steps=True
+        ).constant[inverse]  # a group whose gains are all equal gets 0, with or without a baseline
+        return safe_zscore(centred, torch.zeros_like(centred), pooled.std[inverse], constant, eps)
     mom = group_moments(gains, inverse, num_groups, step_mask=step_mask, pool_steps=scope != "per_step")
     center, scale, constant = mom.mean[inverse], mom.std[inverse], mom.constant[inverse]  # (B, 1) or (B, T)
     if scope == "global":
