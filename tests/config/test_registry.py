@@ -101,7 +101,7 @@ def test_help_config_lists_every_registry_with_its_options(capsys):
     for line in (
         "credit.name choices (credit methods) and their credit.options:",
         "    credit.options.std_scope: 'global' | 'group' = global",
-        "    credit.options.norm: 'joint' | 'per_step' | 'global' = joint",
+        "    credit.options.norm: 'joint' | 'per_step' | 'global' | 'per_step_mean' = joint",
         "    credit.anchor_options.adae_k: float = 0.1, range >= 0",
         "    objective.options.beta: float = 1.0, range > 0",
         "    sampler.options.sigma: 'eta_s_sqrt' | 'eta_s' = eta_s_sqrt",
