@@ -167,14 +167,14 @@ def normalize_gains(
     if scope not in ("joint", "per_step", "global", "per_step_mean"):
         raise ValueError(f"scope must be 'joint', 'per_step', 'global' or 'per_step_mean'; got {scope!r}.")
     if scope == "per_step_mean":
-        cell = group_moments(gains, inverse, num_groups, step_mask=step_mask)  # (P, T): per group and step
-        c_center = cell.mean[inverse] if baseline is None else baseline.to(gains.device, gains.dtype)[None, :]
-        c_const = cell.constant[inverse] if baseline is None else torch.zeros_like(gains, dtype=torch.bool)
-        centred = torch.where(c_const, torch.zeros_like(gains), gains - c_center)
+        if baseline is None:
+            cell = group_moments(gains, inverse, num_groups, step_mask=step_mask)  # (P, T): per group and step
+            centred = torch.where(cell.constant[inverse], torch.zeros_like(gains), gains - cell.mean[inverse])
+        else:
+            centred = gains - baseline.to(gains.device, gains.dtype)[None, :]
         pooled = group_moments(centred, inverse, num_groups, step_mask=step_mask, pool_steps=True)  # (P, 1)
-        constant = pooled.constant[inverse] | group_moments(
-            gains, inverse, num_groups, step_mask=step_mask, pool_steps=True
-        ).constant[inverse]  # a group whose gains are all equal gets 0, with or without a baseline
+        flat = group_moments(gains, inverse, num_groups, step_mask=step_mask, pool_steps=True)  # (P, 1)
+        constant = pooled.constant[inverse] | flat.constant[inverse]  # all-equal gains → 0, even with a baseline
         return safe_zscore(centred, torch.zeros_like(centred), pooled.std[inverse], constant, eps)
     mom = group_moments(gains, inverse, num_groups, step_mask=step_mask, pool_steps=scope != "per_step")
     center, scale, constant = mom.mean[inverse], mom.std[inverse], mom.constant[inverse]  # (B, 1) or (B, T)
