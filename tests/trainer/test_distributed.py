@@ -5,6 +5,7 @@ gradient checkpointing) are honoured and do not change the result."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dist_script as ds  # noqa: E402
 
 from flowcredit.trainer import checkpoint  # noqa: E402
-from flowcredit.trainer.distributed import Shard, layout_noise, plan_update  # noqa: E402
+from flowcredit.trainer.distributed import Shard, layout_noise, plan_update, systematic_steps  # noqa: E402
 
 
 def read_metrics(out: Path) -> list[dict]:
@@ -186,3 +187,45 @@ def test_gradient_checkpointing_switch_keeps_the_gradient(tmp_path, model_path):
     assert grads["true"].keys() == grads["false"].keys() and grads["true"]
     for n, g in grads["false"].items():
         torch.testing.assert_close(grads["true"][n], g, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which steps a sample trains (sampler.train_step_draw)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, k", [(9, 3), (9, 2), (10, 3), (5, 5), (4, 7), (7, 1)])
+def test_systematic_steps_keep_the_inclusion_probability_and_spread(n, k):
+    """Every index with probability exactly min(k, n)/n (the u that pick index j form an interval of length 1 of
+    [0, n/k)); k distinct indices, consecutive ones ⌊n/k⌋ or ⌈n/k⌉ apart."""
+    if k >= n:
+        assert systematic_steps(n, k, torch.Generator().manual_seed(0)) == list(range(n))
+        return
+    stride = n / k
+    # exact: the chosen set is a step function of u; integrate it over a fine grid of u (midpoints)
+    grid = 20000
+    counts = torch.zeros(n)
+    for m in range(grid):
+        u = (m + 0.5) / grid * stride
+        picked = [min(n - 1, int(math.floor(u + i * stride))) for i in range(k)]
+        counts[picked] += 1
+    assert torch.allclose(counts / grid, torch.full((n,), k / n), atol=2e-4)
+    for s in range(50):  # the function itself: distinct, evenly spread
+        picked = systematic_steps(n, k, torch.Generator().manual_seed(s))
+        assert len(set(picked)) == k and picked == sorted(picked)
+        assert all(b - a in (math.floor(stride), math.ceil(stride)) for a, b in zip(picked, picked[1:]))
+
+
+def test_update_plan_systematic_draw_spreads_each_samples_steps():
+    B, T = 6, 10
+    mask = torch.tensor([True] * 9 + [False])
+    kw = dict(seed=1, iteration=3, inner_epochs=1, updates_per_epoch=1, steps_per_sample=3, skip_zero_adv=False)
+    _, plan = plan_update(torch.ones(B, T), mask, Shard(B, 1, 0, 1), step_draw="systematic", **kw)
+    pairs = plan[0][0][0]
+    for b in range(B):
+        steps = sorted(j for bb, j in pairs if bb == b)
+        assert [j // 3 for j in steps] == [0, 1, 2]  # one step in each third of the 9 trainable steps
+    # the same draw for the members of a group (crn) as with the random draw
+    _, plan = plan_update(torch.ones(B, T), mask, Shard(3, 2, 0, 1), step_draw="systematic", step_groups=[0, 0, 1, 1, 2, 2], **kw)
+    pairs = plan[0][0][0]
+    assert sorted(j for b, j in pairs if b == 0) == sorted(j for b, j in pairs if b == 1)

@@ -131,6 +131,13 @@ class SamplerCfg(SamplerParams):
         "all.",
         ge=0,
     )
+    train_step_draw: Literal["random", "systematic"] = _h(
+        "random",
+        "How sampler.train_steps_per_sample = k steps of the n trainable ones are drawn: random = k uniformly without "
+        "replacement; systematic = u ~ U[0, n/k), steps ⌊u + i·n/k⌋ for i < k: every step is still trained with "
+        "probability k/n (the same objective in expectation), but each sample's steps are spread over the whole time "
+        "range (docs/ALGORITHMS.md §9.1).",
+    )
     shared_noise: bool | None = _h(
         None, "Share x_T within a group; null = the method's default (stepwise/vgpo: yes, flow_grpo: no)."
     )

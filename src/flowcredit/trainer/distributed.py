@@ -22,6 +22,7 @@ Only the trainer layer imports accelerate, lazily (STYLE.md R6). One process: ev
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Sequence
@@ -281,6 +282,21 @@ def layout_noise(
     return torch.cat(inits).contiguous(), torch.cat(steps)
 
 
+def systematic_steps(n: int, k: int, gen: torch.Generator) -> list[int]:
+    """k of the indices 0..n−1 by systematic sampling: u ~ U[0, n/k), then ⌊u + i·n/k⌋ for i = 0..k−1.
+
+    Every index is drawn with probability exactly min(k, n)/n, as with k uniform draws without replacement (for index
+    j the u that pick it form one interval of length 1 inside [0, n/k)), so the expected loss is unchanged; but the k
+    indices are spread evenly (consecutive ones ⌊n/k⌋ or ⌈n/k⌉ apart), never bunched at one end of the time range.
+    k ≥ n gives all n indices.
+    """
+    if k >= n:
+        return list(range(n))
+    stride = n / k
+    u = float(torch.rand((), generator=gen, dtype=torch.float64)) * stride
+    return [min(n - 1, int(math.floor(u + i * stride))) for i in range(k)]
+
+
 def plan_update(
     adv_global: torch.Tensor,
     step_mask: torch.Tensor,
@@ -293,11 +309,13 @@ def plan_update(
     steps_per_sample: int,
     skip_zero_adv: bool,
     step_groups: list[int] | None = None,
+    step_draw: str = "random",
 ) -> tuple[int, list[list[tuple[list[tuple[int, int]], int]]]]:
     """Which (sample, step) pairs each optimizer step trains, decided on the GLOBAL batch by every rank alike.
 
     With `step_groups` (B prompt-group ids) the `steps_per_sample` random steps are drawn once per group, so the
-    members of a group train the same steps (the forward-process objectives' common random numbers).
+    members of a group train the same steps (the forward-process objectives' common random numbers). `step_draw`:
+    "random" (k of the n allowed steps without replacement) or "systematic" (`systematic_steps`).
 
     Returns (number of global pairs, per epoch a list of chunks), each chunk = (this rank's pairs as (local row, step),
     the chunk's GLOBAL pair count — the loss normaliser). With one process this is the classic update schedule.
@@ -310,8 +328,11 @@ def plan_update(
         for b in range(B):
             key = b if step_groups is None else B + int(step_groups[b])  # group keys never collide with row keys
             gen = derived_generator(seed, STREAM_STEP_SUBSET, iteration, key)
-            perm = torch.randperm(len(steps_ok), generator=gen)[:steps_per_sample]
-            pairs += [(b, steps_ok[int(i)]) for i in perm]
+            if step_draw == "systematic":
+                picked = systematic_steps(len(steps_ok), steps_per_sample, gen)
+            else:
+                picked = torch.randperm(len(steps_ok), generator=gen)[:steps_per_sample].tolist()
+            pairs += [(b, steps_ok[int(i)]) for i in picked]
     else:
         pairs = [(b, j) for b in range(B) for j in steps_ok]
     if skip_zero_adv:  # zero advantage and no KL term: no gradient, skip the forward/backward

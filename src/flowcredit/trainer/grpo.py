@@ -362,6 +362,7 @@ class GRPOTrainer(CheckpointMixin):
             steps_per_sample=cfg.sampler.train_steps_per_sample,
             skip_zero_adv=obj.skip_zero_advantage(on_policy, oc.kl_beta),
             step_groups=self._gathered(traj.group_ids).tolist() if crn else None,
+            step_draw=cfg.sampler.train_step_draw,
         )
         out: dict[str, Any] = {"pairs_trained": n_pairs, "_nfe": 0}
         if lr is not None:
