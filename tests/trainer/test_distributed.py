@@ -199,19 +199,17 @@ def test_systematic_steps_keep_the_inclusion_probability_and_spread(n, k):
     """Every index with probability exactly min(k, n)/n (the u that pick index j form an interval of length 1 of
     [0, n/k)); k distinct indices, consecutive ones ⌊n/k⌋ or ⌈n/k⌉ apart."""
     if k >= n:
-        assert systematic_steps(n, k, torch.Generator().manual_seed(0)) == list(range(n))
+        assert systematic_steps(n, k, 0.3) == list(range(n))
         return
     stride = n / k
     # exact: the chosen set is a step function of u; integrate it over a fine grid of u (midpoints)
     grid = 20000
     counts = torch.zeros(n)
     for m in range(grid):
-        u = (m + 0.5) / grid * stride
-        picked = [min(n - 1, int(math.floor(u + i * stride))) for i in range(k)]
-        counts[picked] += 1
+        counts[systematic_steps(n, k, (m + 0.5) / grid)] += 1
     assert torch.allclose(counts / grid, torch.full((n,), k / n), atol=2e-4)
-    for s in range(50):  # the function itself: distinct, evenly spread
-        picked = systematic_steps(n, k, torch.Generator().manual_seed(s))
+    for s in range(50):  # distinct, evenly spread
+        picked = systematic_steps(n, k, float(torch.rand((), generator=torch.Generator().manual_seed(s))))
         assert len(set(picked)) == k and picked == sorted(picked)
         assert all(b - a in (math.floor(stride), math.ceil(stride)) for a, b in zip(picked, picked[1:]))
 

@@ -282,19 +282,19 @@ def layout_noise(
     return torch.cat(inits).contiguous(), torch.cat(steps)
 
 
-def systematic_steps(n: int, k: int, gen: torch.Generator) -> list[int]:
-    """k of the indices 0..n−1 by systematic sampling: u ~ U[0, n/k), then ⌊u + i·n/k⌋ for i = 0..k−1.
+def systematic_steps(n: int, k: int, u: float) -> list[int]:
+    """k of the indices 0..n−1 by systematic sampling: with the offset u·n/k (u ∈ [0, 1) uniform), ⌊u·n/k + i·n/k⌋
+    for i = 0..k−1.
 
     Every index is drawn with probability exactly min(k, n)/n, as with k uniform draws without replacement (for index
-    j the u that pick it form one interval of length 1 inside [0, n/k)), so the expected loss is unchanged; but the k
+    j the u that pick it form one interval of length k/n inside [0, 1)), so the expected loss is unchanged; but the k
     indices are spread evenly (consecutive ones ⌊n/k⌋ or ⌈n/k⌉ apart), never bunched at one end of the time range.
     k ≥ n gives all n indices.
     """
     if k >= n:
         return list(range(n))
     stride = n / k
-    u = float(torch.rand((), generator=gen, dtype=torch.float64)) * stride
-    return [min(n - 1, int(math.floor(u + i * stride))) for i in range(k)]
+    return [min(n - 1, int(math.floor((u + i) * stride))) for i in range(k)]
 
 
 def plan_update(
@@ -329,9 +329,12 @@ def plan_update(
             key = b if step_groups is None else B + int(step_groups[b])  # group keys never collide with row keys
             gen = derived_generator(seed, STREAM_STEP_SUBSET, iteration, key)
             if step_draw == "systematic":
-                picked = systematic_steps(len(steps_ok), steps_per_sample, gen)
-            else:
+                u = float(torch.rand((), generator=gen, dtype=torch.float64))
+                picked = systematic_steps(len(steps_ok), steps_per_sample, u)
+            elif step_draw == "random":
                 picked = torch.randperm(len(steps_ok), generator=gen)[:steps_per_sample].tolist()
+            else:
+                raise ValueError(f"sampler.train_step_draw={step_draw!r}; use random or systematic")
             pairs += [(b, steps_ok[int(i)]) for i in picked]
     else:
         pairs = [(b, j) for b in range(B) for j in steps_ok]
