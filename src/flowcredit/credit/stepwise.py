@@ -173,8 +173,10 @@ def normalize_gains(
         else:
             centred = gains - baseline.to(gains.device, gains.dtype)[None, :]
         pooled = group_moments(centred, inverse, num_groups, step_mask=step_mask, pool_steps=True)  # (P, 1)
-        flat = group_moments(gains, inverse, num_groups, step_mask=step_mask, pool_steps=True)  # (P, 1)
-        constant = pooled.constant[inverse] | flat.constant[inverse]  # all-equal gains → 0, even with a baseline
+        constant = pooled.constant[inverse]  # without a baseline, all-equal gains are all-zero centred values
+        if baseline is not None:  # all-equal gains → 0 with a baseline too
+            flat = group_moments(gains, inverse, num_groups, step_mask=step_mask, pool_steps=True)  # (P, 1)
+            constant = constant | flat.constant[inverse]
         return safe_zscore(centred, torch.zeros_like(centred), pooled.std[inverse], constant, eps)
     mom = group_moments(gains, inverse, num_groups, step_mask=step_mask, pool_steps=scope != "per_step")
     center, scale, constant = mom.mean[inverse], mom.std[inverse], mom.constant[inverse]  # (B, 1) or (B, T)
