@@ -522,6 +522,26 @@ def test_lr_schedule_sets_the_optimizer_lr_each_update(tmp_path, model_path):
     assert "lr" not in tr2.train_step() and tr2.opt.param_groups[0]["lr"] == 1e-3
 
 
+def test_lr_decay_iterations_sets_the_schedules_length_not_the_runs(tmp_path, model_path):
+    # optim.lr_decay_iterations=2 caps the decay of a 3-iteration run: cosine over 2 iterations, then lr·lr_final
+    tr = make_trainer(
+        tmp_path, model_path, "run.iterations=3", "optim.lr=1e-3", "optim.lr_schedule=cosine", "optim.lr_final=0.1",
+        "optim.lr_decay_iterations=2", reward=image_mean_reward,
+    )
+    lrs = []
+    for _ in range(3):
+        lrs.append(tr.train_step()["lr"])
+        tr.iteration += 1
+    assert lrs == pytest.approx([1e-3, 1e-3 * (0.1 + 0.9 * 0.5), 1e-4])
+    assert tr.opt.param_groups[0]["lr"] == pytest.approx(1e-4)
+    # a cap above run.iterations changes nothing: the decay still spans the run (here 2 iterations)
+    tr2 = make_trainer(
+        tmp_path, model_path, "run.iterations=2", "optim.lr=1e-3", "optim.lr_schedule=cosine", "optim.lr_final=0.1",
+        "optim.lr_decay_iterations=400", reward=image_mean_reward, out="run2",
+    )
+    assert tr2.lr_schedule(1) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))
+
+
 def test_periodic_eval_of_the_whole_split_uses_the_final_evaluations_noise(tmp_path, model_path):
     # run.eval_subset ≥ the split: the periodic point of the last iteration and eval.json score the same weights on
     # the same lines with the same noise, so they agree exactly (a tag-balanced reorder would change every line's noise)

@@ -30,6 +30,14 @@ def test_budget_progress_drives_the_schedule_when_it_is_further():
     assert cos(900, budget_progress=0.1) == pytest.approx(1e-4 * 0.5 * (1 + math.cos(0.9 * math.pi)))
 
 
+def test_past_its_length_the_schedule_stays_at_the_final_rate():
+    # optim.lr_decay_iterations = 40 in a longer run: the decay takes 40 iterations, then lr·lr_final for good
+    cos = LRSchedule(1e-4, "cosine", 0.1, 0, 40)
+    assert cos(20) == pytest.approx(1e-4 * (0.1 + 0.9 * 0.5))
+    assert [cos(i) for i in (40, 41, 500, 5000)] == pytest.approx([1e-5] * 4)
+    assert cos(500, budget_progress=0.2) == pytest.approx(1e-5)  # the budget cannot raise it again
+
+
 def test_time_budget_progress():
     b = TimeBudget(0.0, time.time(), lambda: 1000)
     assert b.progress() == 0.0  # no budget

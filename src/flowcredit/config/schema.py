@@ -270,10 +270,18 @@ class OptimCfg:
     )
     lr_schedule: Literal["constant", "cosine", "linear"] = _h(
         "constant",
-        "Learning-rate schedule over the run's progress p = max(iteration / run.iterations, fraction of the training "
-        "time of run.budget_minutes used): constant, cosine or linear decay from lr to lr·lr_final.",
+        "Learning-rate schedule over the run's progress p = max(iteration / N, fraction of the training time of "
+        "run.budget_minutes used), N = min(run.iterations, optim.lr_decay_iterations if > 0): constant, cosine or "
+        "linear decay from lr to lr·lr_final.",
     )
     lr_final: float = _h(0.1, "Final learning rate as a fraction of optim.lr (cosine / linear schedules).", ge=0, le=1)
+    lr_decay_iterations: int = _h(
+        0,
+        "Most iterations the cosine / linear decay may take (0 = no cap): it runs over min(run.iterations, this), "
+        "then the rate stays at lr·lr_final. A recipe's schedule then keeps its length when run.iterations and "
+        "run.budget_minutes let a run go on longer (the 60-minute stability run, README).",
+        ge=0,
+    )
     warmup_iters: int = _h(0, "Linear warm-up of the learning rate over the first N iterations (0 = none).", ge=0)
     inner_epochs: int = _h(1, "Passes over each rollout batch (PPO epochs).", ge=1)
     updates_per_epoch: int = _h(

@@ -101,7 +101,8 @@ class TimeBudget:
 
 
 class LRSchedule:
-    """optim.lr_schedule: lr(p) over the run's progress p = max(iteration / run.iterations, budget progress).
+    """optim.lr_schedule: lr(p) over the run's progress p = max(iteration / N, budget progress), N = `iterations`
+    (min(run.iterations, optim.lr_decay_iterations if > 0)); p is capped at 1, so past N the rate stays final.
 
         constant: lr;  cosine: lr·[f + (1 − f)·(1 + cos πp)/2];  linear: lr·[1 − (1 − f)·p]     f = optim.lr_final
         warm-up:  × min(1, (iteration + 1) / warmup_iters)
