@@ -227,3 +227,9 @@ def test_update_plan_systematic_draw_spreads_each_samples_steps():
     _, plan = plan_update(torch.ones(B, T), mask, Shard(3, 2, 0, 1), step_draw="systematic", step_groups=[0, 0, 1, 1, 2, 2], **kw)
     pairs = plan[0][0][0]
     assert sorted(j for b, j in pairs if b == 0) == sorted(j for b, j in pairs if b == 1)
+
+
+def test_update_plan_rejects_an_unknown_step_draw():
+    kw = dict(seed=1, iteration=0, inner_epochs=1, updates_per_epoch=1, steps_per_sample=0, skip_zero_adv=False)
+    with pytest.raises(ValueError, match="train_step_draw='stratified'; use random or systematic"):
+        plan_update(torch.ones(2, 4), torch.ones(4, dtype=torch.bool), Shard(2, 1, 0, 1), step_draw="stratified", **kw)

@@ -320,6 +320,8 @@ def plan_update(
     Returns (number of global pairs, per epoch a list of chunks), each chunk = (this rank's pairs as (local row, step),
     the chunk's GLOBAL pair count — the loss normaliser). With one process this is the classic update schedule.
     """
+    if step_draw not in ("random", "systematic"):
+        raise ValueError(f"sampler.train_step_draw={step_draw!r}; use random or systematic")
     B, T = adv_global.shape
     mask = step_mask.tolist()
     steps_ok = [j for j in range(T) if mask[j]]
@@ -331,10 +333,8 @@ def plan_update(
             if step_draw == "systematic":
                 u = float(torch.rand((), generator=gen, dtype=torch.float64))
                 picked = systematic_steps(len(steps_ok), steps_per_sample, u)
-            elif step_draw == "random":
-                picked = torch.randperm(len(steps_ok), generator=gen)[:steps_per_sample].tolist()
             else:
-                raise ValueError(f"sampler.train_step_draw={step_draw!r}; use random or systematic")
+                picked = torch.randperm(len(steps_ok), generator=gen)[:steps_per_sample].tolist()
             pairs += [(b, steps_ok[int(i)]) for i in picked]
     else:
         pairs = [(b, j) for b in range(B) for j in steps_ok]
