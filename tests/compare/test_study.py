@@ -50,10 +50,12 @@ def test_study_runs_resumes_and_reports(tmp_path):
     assert any(line.startswith("| fg | ") and line.count("|") == 3 for line in text.splitlines())  # zero-std column
     ev = json.loads((run_dir(out, study.runs[1], 0) / "eval.json").read_text())
     assert "delta" in ev
-    # both arms share seed 0, so the second evaluated the initial model from the study's cache, not again
+    # both arms share seed 0 and the presets' time budget is on (run.budget_minutes), so the study evaluated the
+    # initial model once before the runs (warm-up of the first arm) and both read it from the cache
     ev_fg = json.loads((done / "eval.json").read_text())
-    assert "base_cached" not in ev_fg and "base_cached" in ev and ev["base"] == ev_fg["base"]
-    assert not (run_dir(out, study.runs[1], 0) / "eval_base").exists() and (done / "eval_base").exists()
+    assert "base_cached" in ev_fg and "base_cached" in ev and ev["base"] == ev_fg["base"]
+    assert not (run_dir(out, study.runs[1], 0) / "eval_base").exists() and not (done / "eval_base").exists()
+    assert (out / "warm" / "fg" / "seed0" / "eval_base").exists()
 
     # --reuse: an arm whose resolved config equals a finished run's (another name, another study) is copied
     again = Study(**{**study.__dict__, "name": "again", "runs": [StudyRun("fg_again", "tiny_flow_grpo")], "figure_run": None})
@@ -124,7 +126,41 @@ def test_execute_reuses_a_run_that_finished_after_the_study_started(tmp_path, mo
     monkeypatch.setattr(st, "resolved_config", lambda *a, **k: object())
     monkeypatch.setattr(st, "find_reusable", lambda cfg, pools, exclude=None: next(answers))
     monkeypatch.setattr(st, "reuse_run", lambda src, dst, cfg: copied.append((src, dst)))
+    monkeypatch.setattr(st, "warm_baselines", lambda *a, **k: None)  # (reads the stubbed config's run section)
     study = Study(name="x", runs=[StudyRun("a", "tiny_nft")], seeds=[0], iterations=1)
     res = st.execute(study, tmp_path / "out", reuse=[tmp_path / "other"], log=lambda *_: None)
     assert res == [("a/seed0", 0)]  # no training subprocess was started
     assert copied == [(tmp_path / "other" / "seed0", run_dir(tmp_path / "out", study.runs[0], 0))]
+
+
+def test_budgeted_runs_find_the_initial_model_evaluated_before_they_start(tmp_path):
+    """With run.budget_minutes > 0 the study fills the baseline cache first (`train --warm-baseline`), so every arm,
+    not only those after the first of its seed, reads the initial model's evaluation instead of paying for it
+    inside its own time budget."""
+    TinyFlowModel(TinyDiTConfig(width=32, depth=1, heads=2)).save(tmp_path, name="m")
+    out = tmp_path / "study"
+    base = _study(tmp_path / "m.safetensors", tmp_path)
+    study = Study(**{**base.__dict__, "overrides": [*base.overrides, "run.eval_baseline=true",
+                                                    "run.budget_minutes=30", "run.checkpoint_every=0"],
+                     "eval_every": 0, "figure_run": None})
+    logs: list[str] = []
+    res = execute(study, out, parallel=1, threads=1, log=logs.append)
+    assert res == [("fg/seed0", 0), ("sw/seed0", 0)]
+    assert any("warming the initial model's evaluation for 2 budgeted runs" in m for m in logs)
+    cached = list((out / "eval_base_cache").glob("*.json"))
+    assert len(cached) == 1  # both arms evaluate the same initial model on the same prompts and noise
+    for r in study.runs:
+        ev = json.loads((run_dir(out, r, 0) / "eval.json").read_text())
+        assert ev["base_cached"] == str(cached[0]) and not (run_dir(out, r, 0) / "eval_base").exists()
+    assert (out / "warm" / "fg" / "seed0" / "eval_base").exists()  # the warm-up of the first arm evaluated it
+    assert not (out / "warm" / "sw" / "seed0" / "eval_base").exists()  # the second found it in the cache
+
+
+def test_warm_baseline_without_a_cache_folder_is_a_one_line_error(tmp_path, capsys):
+    from flowcredit.cli.main import main
+
+    TinyFlowModel(TinyDiTConfig(width=32, depth=1, heads=2)).save(tmp_path, name="m")
+    rc = main(["train", f"model.path={tmp_path / 'm.safetensors'}", "model.precision=fp32",
+               f"run.out_dir={tmp_path / 'run'}", "run.eval_baseline=true", "--warm-baseline"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "--warm-baseline needs" in err and "run.eval_baseline_cache=FOLDER" in err

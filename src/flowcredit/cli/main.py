@@ -82,6 +82,16 @@ def cmd_train(ns) -> int:
             "on a disk with free space"
         )
     main_rank = trainer.dist.is_main
+    if getattr(ns, "warm_baseline", False):
+        if trainer.evaluation is None or not (cfg.run.eval_baseline and cfg.run.eval_baseline_cache):
+            return _fail(
+                "--warm-baseline needs run.eval_baseline=true, run.eval_at_end=true and "
+                "run.eval_baseline_cache=FOLDER (it fills that cache)"
+            )
+        cache = trainer.evaluation.warm_baseline()
+        if main_rank:
+            print(f"initial model's evaluation cached: {cache}")
+        return 0
     if main_rank:
         print(f"run folder: {trainer.out}")
     try:
@@ -335,6 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("args", nargs="*", help="[PRESET|file.yaml] key=value ...")
     t.add_argument("--help-config", action="store_true", help="list every config key with its type, default and help")
+    t.add_argument(
+        "--warm-baseline",
+        action="store_true",
+        help="only evaluate the initial model into run.eval_baseline_cache (if not there yet) and stop; "
+        "`flowcredit compare` runs it before time-budgeted runs",
+    )
     t.set_defaults(fn=cmd_train)
 
     def model_args(p):
