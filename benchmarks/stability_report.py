@@ -3,7 +3,7 @@ checks: final full-test strict vs its best periodic evaluation, the hacking guar
 
     flowcredit train run.budget_minutes=60 run.iterations=100000 run.eval_every=100 run.gold_reward=shapes \
         run.gold_every=50 run.checkpoint_every=200 run.grid_every=200 run.out_dir=runs/stability60
-    python benchmarks/stability_report.py runs/stability60 [--replay-alarm]
+    python benchmarks/stability_report.py runs/stability60 [--replay-alarm [--alarm-alpha A]]
 
 The periodic evaluation (eval_curve.jsonl) scores run.eval_subset tag-balanced held-out prompts with the EMA weights;
 the final one (eval.json) the whole held-out split, trained and shipped model on the same noise. Criteria (issue 23):
@@ -13,7 +13,8 @@ than 0.05 from the shipped model.
 --replay-alarm re-runs the hacking alarm of the current code (`rewards.guards.HackingAlarm`, with the run's
 run.alarm_* settings or today's defaults) over the gold records kept in the run's last checkpoint (per-image scores
 included) and the training reward / diversity of metrics.jsonl, so a run made before a change of the alarm can be
-judged by the alarm as it is now.
+judged by the alarm as it is now. A run made before run.alarm_alpha existed gets today's default (0.05, the
+alpha-spending rule); --alarm-alpha A overrides it (0 = the fixed per-look run.alarm_noise_z).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def main() -> None:
     ap.add_argument(
         "--replay-alarm", action="store_true", help="re-run today's alarm over the checkpoint's gold records"
     )
+    ap.add_argument("--alarm-alpha", type=float, default=None,
+                    help="replay with this run.alarm_alpha (0 = the per-look noise_z test); default: the run's own")
     a = ap.parse_args()
     ev = json.loads((a.run / "eval.json").read_text())
     curve = [json.loads(x) for x in (a.run / "eval_curve.jsonl").read_text().splitlines() if x.strip()]
@@ -57,7 +60,7 @@ def main() -> None:
     else:
         print("gold reward: not configured (run.gold_reward)")
     if a.replay_alarm:
-        replay_alarm(a.run, metrics)
+        replay_alarm(a.run, metrics, a.alarm_alpha)
     worst = 0.0
     parts = []
     for tag, t in ev["trained"]["geneval"]["strict"]["tags"].items():
@@ -78,7 +81,7 @@ def main() -> None:
               f"{f('fm_mse'):.3f} {f('grad_norm'):.3f} {f('lr'):.2e}")
 
 
-def replay_alarm(run: Path, metrics: list[dict]) -> None:
+def replay_alarm(run: Path, metrics: list[dict], alpha: float | None = None) -> None:
     """Print what today's HackingAlarm says at every gold point of the run (module docstring)."""
     import yaml
 
@@ -95,11 +98,13 @@ def replay_alarm(run: Path, metrics: list[dict]) -> None:
         window=rc.get("alarm_window", 5),
         gold_drop=rc.get("alarm_gold_drop", 0.0),
         noise_z=rc.get("alarm_noise_z", 2.0),
+        alpha=(rc.get("alarm_alpha", 0.05) if alpha is None else alpha) or None,
     )
     by_it = {m["iteration"]: m for m in metrics}
     fired = []
+    rule = f"run-level alpha {alarm.alpha:g}" if alarm.alpha is not None else f"per-look noise_z {alarm.noise_z:g}"
     print(f"replayed alarm ({ckpts[-1].parent.name}, {len(records)} gold points, window {alarm.window}, "
-          f"noise_z {alarm.noise_z:g}, gold_drop {alarm.gold_drop:g}):")
+          f"{rule}, gold_drop {alarm.gold_drop:g}):")
     last = 0
     for rec in records:
         for it in range(last + 1, rec.iteration + 1):

@@ -13,6 +13,7 @@ from flowcredit.rewards.guards import (
     group_diversity,
     paired_change_se,
     pairwise_distance,
+    spending_z,
     trend,
     trend_se,
 )
@@ -178,10 +179,17 @@ def test_hacking_guard_passes_the_standard_error_to_the_alarm():
     from flowcredit.trainer.harness import HackingGuard
 
     cfg = RunCfg(
-        gold_reward="shapes", gold_every=1, gold_limit=4, alarm_window=3, alarm_gold_drop=0.0, alarm_noise_z=2.0
+        gold_reward="shapes",
+        gold_every=1,
+        gold_limit=4,
+        alarm_window=3,
+        alarm_gold_drop=0.0,
+        alarm_noise_z=2.0,
+        alarm_alpha=0.0,  # the fixed per-look z
     )
     guard = HackingGuard.from_config(cfg, build_reward)
     assert guard is not None and guard.alarm.noise_z == 2.0 and guard.alarm.gold_drop == 0.0
+    assert guard.alarm.alpha is None
 
     def sample(correct):  # the first `correct` prompts drawn right, the others blank: scores vary, so std > 0
         def fn(prompts, meta):
@@ -205,9 +213,18 @@ def test_hacking_guard_passes_the_standard_error_to_the_alarm():
     state = guard.alarm.check()
     assert state.gold_change == pytest.approx(-0.25) and state.gold_se > 0.125  # one flipped image out of 4
     assert lines[-1]["gold_threshold"] == pytest.approx(2.0 * state.gold_se) and not lines[-1]["alarm"]
-    # run.alarm_noise_z=0 (and no absolute drop): the same fall fires, as before the noise test
+    assert lines[-1]["gold_z"] == 2.0 and lines[-1]["look"] == 1 and lines[0]["look"] == 0
+    # the default spends run.alarm_alpha = 0.05 over the looks: the first look's z is 1.96
+    spend = HackingGuard.from_config(RunCfg(gold_reward="shapes", gold_every=1, gold_limit=4, alarm_window=3),
+                                     build_reward)
+    assert spend is not None and spend.alarm.alpha == 0.05
+    last = run(spend)[-1]
+    assert last["look"] == 1 and last["gold_z"] == pytest.approx(1.959964, abs=1e-6)
+    assert last["gold_threshold"] == pytest.approx(1.959964 * state.gold_se, rel=1e-6)
+    # run.alarm_noise_z=0 and alarm_alpha=0 (and no absolute drop): the same fall fires, as before the noise test
     old = HackingGuard.from_config(
-        RunCfg(gold_reward="shapes", gold_every=1, gold_limit=4, alarm_window=3, alarm_noise_z=0.0), build_reward
+        RunCfg(gold_reward="shapes", gold_every=1, gold_limit=4, alarm_window=3, alarm_noise_z=0.0, alarm_alpha=0.0),
+        build_reward,
     )
     assert old is not None
     last = run(old)[-1]
@@ -252,3 +269,62 @@ def test_paired_change_se_by_hand_and_against_the_independent_one():
     again = HackingAlarm(window=3, min_points=3)
     again.load_state_dict(alarm.state_dict())
     assert again.gold_scores == alarm.gold_scores and again.check().gold_se == pytest.approx(alarm.check().gold_se)
+
+
+# --------------------------------------------------------------------------------------------- run-level error control
+def test_spending_z_spends_alpha_over_the_looks():
+    from statistics import NormalDist
+
+    phi = NormalDist().cdf
+    assert spending_z(1, 0.05) == pytest.approx(1.959964, abs=1e-6)  # alpha/2 at the first look
+    assert spending_z(10, 0.05) == pytest.approx(NormalDist().inv_cdf(1 - 0.05 / 110))
+    z = [spending_z(k, 0.05) for k in range(1, 201)]
+    assert all(a < b for a, b in zip(z, z[1:]))  # the threshold only rises
+    spent = sum(1 - phi(v) for v in z)  # Σ_k alpha/(k(k+1)) over 200 looks = alpha (1 − 1/201)
+    assert spent == pytest.approx(0.05 * (1 - 1 / 201), rel=1e-9)
+    for bad in [(0, 0.05), (1, 0.0), (1, 1.0)]:
+        with pytest.raises(ValueError, match="spending_z"):
+            spending_z(*bad)
+    with pytest.raises(ValueError, match="alpha"):
+        HackingAlarm(alpha=1.5)
+
+
+def _window_scores(n: int, falls: int, points: int) -> list[list[float]]:
+    """`points` score lists over n images: half right at first, `falls` more images wrong at every point."""
+    out, s = [], [1.0] * (n // 2) + [0.0] * (n - n // 2)
+    for _ in range(points):
+        out.append(list(s))
+        s = [0.0 if i < falls * (len(out)) else v for i, v in enumerate(s)]
+    return out
+
+
+def test_alarm_alpha_counts_looks_and_raises_its_threshold():
+    n = 200
+    rows = _window_scores(n, falls=2, points=12)  # 2 of 200 images go wrong per point: a steady, small fall
+
+    def feed(alarm: HackingAlarm, upto: int) -> list[AlarmState]:
+        states = []
+        for k in range(upto):
+            alarm.update_train(10 * k, 0.01 * k)
+            alarm.update_gold(10 * k, float(np.mean(rows[k])), se=0.035, scores=rows[k])
+            states.append(alarm.check())
+        return states
+
+    fixed = feed(HackingAlarm(window=3, min_points=3), 12)
+    spend = feed(HackingAlarm(window=3, min_points=3, alpha=0.05), 12)
+    assert [s.look for s in spend] == [0, 0] + list(range(1, 11))
+    assert [s.z for s in fixed[2:]] == [2.0] * 10
+    assert [s.z for s in spend[2:]] == pytest.approx([spending_z(k, 0.05) for k in range(1, 11)])
+    # the same window (the same fall and SE at every look) meets a rising threshold
+    for f, a in zip(fixed[2:], spend[2:]):
+        assert a.gold_change == pytest.approx(f.gold_change) and a.gold_se == pytest.approx(f.gold_se)
+        assert a.gold_threshold == pytest.approx(a.z * a.gold_se)
+    assert "look 1 of a run-level alpha 0.05" in spend[2].message
+    # a resumed alarm counts its looks on from the gold history, and several checks at one point are one look
+    again = HackingAlarm(window=3, min_points=3, alpha=0.05)
+    half = HackingAlarm(window=3, min_points=3, alpha=0.05)
+    feed(half, 6)
+    again.load_state_dict(half.state_dict())
+    assert again.check().look == 4 and again.check().look == 4
+    assert again.check().z == pytest.approx(spend[5].z)
+

@@ -386,8 +386,18 @@ class RunCfg:
     alarm_noise_z: float = _h(
         2.0,
         "Hacking alarm: gold must fall by more than z standard errors of its fitted change (the paired one: each "
-        "gold image's own fitted change, the prompts and noise being fixed); 0 = any fall fires.",
+        "gold image's own fitted change, the prompts and noise being fixed) at every look, when alarm_alpha is 0; "
+        "0 = any fall fires.",
         ge=0,
+    )
+    alarm_alpha: float = _h(
+        0.05,
+        "Hacking alarm: the run's false-alarm budget, spent over its looks as alpha/(k(k+1)) at the k-th gold check "
+        "(z_k = Phi^-1(1 - alpha/(k(k+1))): 1.96 at the first, 3.32 at the tenth), so a run whose gold does not fall "
+        "fires with probability <= alpha however long it runs; 0 = the fixed alarm_noise_z at every look (about "
+        "2% of looks of a healthy run fire, ~10% of 60-minute runs).",
+        ge=0,
+        lt=1,
     )
 
 

@@ -9,8 +9,10 @@ metrics, diversity monitors and early stopping).
   usual sign of mode collapse ("identical faces", flow_grpo#233 grid artifacts).
 - `trend`: least-squares slope; `trend_se`: its standard error for independent points of known standard errors;
   `HackingAlarm`: fires when, over the last `window` gold evaluations, the fitted training reward rose by more than
-  `train_rise` while the fitted gold reward fell by more than max(`gold_drop`, `noise_z` standard errors of that
-  fitted fall) (and, if diversity is fed, optionally when diversity fell by more than `diversity_drop`).
+  `train_rise` while the fitted gold reward fell by more than max(`gold_drop`, z standard errors of that fitted
+  fall) (and, if diversity is fed, optionally when diversity fell by more than `diversity_drop`). z is either fixed
+  (`noise_z`, a per-look test) or, with `alpha`, the k-th look's `spending_z(k, alpha)`, which bounds the chance that
+  a run whose gold does not fall ever fires by `alpha`, however long the run (`spending_z`).
 
 All are plain Python / torch, no trainer dependency. Typical use:
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from statistics import NormalDist
 from typing import Any
 
 import torch
@@ -232,6 +235,24 @@ def paired_change_se(scores: Sequence[Sequence[float] | None], xs: Sequence[floa
     return float(change.std(unbiased=True) / math.sqrt(n))
 
 
+def spending_z(look: int, alpha: float) -> float:
+    """One-sided z threshold of the `look`-th test (1, 2, …) of a run whose false-alarm budget `alpha` is spent as
+    alpha / (k (k + 1)) at look k: z_k = Φ⁻¹(1 − alpha / (k (k + 1))).
+
+    Σ_k alpha / (k (k + 1)) = alpha (it telescopes), so by the union bound the probability that ANY look of a run
+    fires when gold does not fall is at most alpha, whatever the correlation between the looks (overlapping windows
+    share most of their points) and however many looks the run makes. A fixed z per look instead fires at a rate of
+    about Φ(−z) per look, so a long enough run is sure to fire once. The price is a threshold that rises slowly:
+    with alpha = 0.05, z = 1.96, 2.39, 2.64 at looks 1–3, 3.32 at look 10, 3.67 at look 20 (a 4-hour run at the
+    default cadence has ≈ 40 looks: 4.01).
+    """
+    if look < 1:
+        raise ValueError(f"spending_z: looks count from 1, got {look}")
+    if not 0 < alpha < 1:
+        raise ValueError(f"spending_z: alpha must be in (0, 1), got {alpha}")
+    return NormalDist().inv_cdf(1.0 - alpha / (look * (look + 1)))
+
+
 @dataclass
 class AlarmState:
     fired: bool
@@ -241,25 +262,36 @@ class AlarmState:
     reasons: list[str]
     message: str
     gold_se: float = 0.0  # standard error of gold_change (points without a standard error count as exact)
-    gold_threshold: float = 0.0  # gold_change had to be below −gold_threshold = −max(gold_drop, noise_z · gold_se)
+    gold_threshold: float = 0.0  # gold_change had to be below −gold_threshold = −max(gold_drop, z · gold_se)
+    z: float = 0.0  # the z of this look: noise_z, or spending_z(look, alpha) with alpha
+    look: int = 0  # 1 for the first check with min_points gold points, then one more per gold point (0 = waiting)
 
 
 class HackingAlarm:
     """Fires when the training reward trends up while the gold reward trends down (over the last `window` gold points).
 
     Changes are fitted slopes × the window's iteration span, i.e. how much the linear fit rose or fell across the
-    window. The alarm fires when train_change > train_rise and gold_change < −max(gold_drop, noise_z · gold_se), where
+    window. The alarm fires when train_change > train_rise and gold_change < −max(gold_drop, z · gold_se), where
     gold_se is the standard error of gold_change: `paired_change_se` when every point of the window came with its
     per-image scores, else `trend_se` × span from the standard errors passed to `update_gold` (a gold mean over 32
     prompts moves by ≈ 0.03 when one image flips, so at a plateau a fitted fall below a zero threshold is a coin
     flip); with `diversity_drop` set and diversity fed, also when diversity_change <
     −diversity_drop while train_change > train_rise.
 
+    z: with `alpha` None it is `noise_z` at every look, a per-look test: each look of a healthy run fires with
+    probability ≈ Φ(−noise_z) (2.3% at 2), and a 60-minute run at the default cadence makes about 10 looks. With
+    `alpha` the k-th look uses `spending_z(k, alpha)`, and a healthy run fires at all with probability ≤ alpha. The
+    k-th look is the check made when gold point min_points + k − 1 has arrived (derived from the gold history, so a
+    resumed run counts on); several `check` calls at one gold point are one look.
+
     Args:
         window: gold points per check (>= 2); min_points: points needed before it can fire.
         train_rise, gold_drop, diversity_drop: thresholds (in reward / distance units).
-        noise_z: how many standard errors of its fitted change gold must fall by (0 = any fall below −gold_drop fires,
-            the behaviour before the noise test; so does a window whose points have no standard error).
+        noise_z: how many standard errors of its fitted change gold must fall by, at every look, when `alpha` is None
+            (0 = any fall below −gold_drop fires, the behaviour before the noise test; so does a window whose points
+            have no standard error).
+        alpha: the run's false-alarm budget for `gold_down` (0 < alpha < 1), spent over the looks (`spending_z`);
+            None = the fixed `noise_z`.
     """
 
     def __init__(
@@ -270,11 +302,15 @@ class HackingAlarm:
         gold_drop: float = 0.0,
         diversity_drop: float | None = None,
         noise_z: float = 2.0,
+        alpha: float | None = None,
     ):
         if window < 2 or min_points < 2:
             raise ValueError("HackingAlarm: window and min_points must be >= 2")
         if not noise_z >= 0:
             raise ValueError(f"HackingAlarm: noise_z must be >= 0, got {noise_z}")
+        if alpha is not None and not 0 < alpha < 1:
+            raise ValueError(f"HackingAlarm: alpha must be in (0, 1) or None, got {alpha}")
+        self.alpha = None if alpha is None else float(alpha)
         self.window, self.min_points = int(window), int(min_points)
         self.train_rise, self.gold_drop, self.diversity_drop = float(train_rise), float(gold_drop), diversity_drop
         self.noise_z = float(noise_z)
@@ -324,12 +360,14 @@ class HackingAlarm:
                 f"waiting for {self.min_points} gold points ({len(gold)} so far)",
                 gold_threshold=self.gold_drop,
             )
+        look = len(self.gold) - self.min_points + 1
+        z = self.noise_z if self.alpha is None else spending_z(look, self.alpha)
         lo, hi = gold[0][0], gold[-1][0]
         g, _ = self._change(gold, lo, hi)
         xs = [i for i, _ in gold]
         paired = paired_change_se(self.gold_scores[-len(gold) :], xs)
         g_se = paired if paired is not None else trend_se(self.gold_se[-len(gold) :], xs) * (hi - lo)
-        g_thr = max(self.gold_drop, self.noise_z * g_se)
+        g_thr = max(self.gold_drop, z * g_se)
         t, nt = self._change(self.train, lo, hi)
         d = self._change(self.diversity, lo, hi)[0] if self.diversity else None
         reasons = []
@@ -340,12 +378,12 @@ class HackingAlarm:
             reasons.append("diversity_down")
         msg = (
             f"iterations {lo}-{hi}: train reward {t:+.4f}, gold {g:+.4f} "
-            f"(fall threshold {g_thr:.4f}; noise {self.noise_z:g} x {'paired ' if paired is not None else ''}SE "
-            f"{g_se:.4f})"
+            f"(fall threshold {g_thr:.4f}; noise {z:.3g} x {'paired ' if paired is not None else ''}SE "
+            f"{g_se:.4f}{f', look {look} of a run-level alpha {self.alpha:g}' if self.alpha is not None else ''})"
             + (f", diversity {d:+.4f}" if d is not None else "")
             + (f" -> possible reward hacking ({', '.join(reasons)})" if reasons else "")
         )
-        return AlarmState(bool(reasons), t, g, d, reasons, msg, gold_se=g_se, gold_threshold=g_thr)
+        return AlarmState(bool(reasons), t, g, d, reasons, msg, gold_se=g_se, gold_threshold=g_thr, z=z, look=look)
 
     def state_dict(self) -> dict[str, Any]:
         return {

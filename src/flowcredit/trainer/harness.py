@@ -223,7 +223,9 @@ class HackingGuard:
     calls `sample_fn(prompts, metadata) -> images` (the trainer samples with the EMA weights) and returns the
     gold.jsonl line (with the alarm state), else None. Each gold point carries its standard error std / sqrt(prompts)
     (`gold_se`); the alarm gets the point's per-image scores too, and gold must fall by more than
-    max(run.alarm_gold_drop, run.alarm_noise_z paired standard errors of its fitted change) (`gold_threshold`).
+    max(run.alarm_gold_drop, z paired standard errors of its fitted change) (`gold_threshold`), z being the
+    alpha-spending z of the look (run.alarm_alpha, `rewards.guards.spending_z`) or, with alarm_alpha 0, the fixed
+    run.alarm_noise_z.
     """
 
     def __init__(self, gold: Any, alarm: Any):
@@ -239,7 +241,10 @@ class HackingGuard:
             build_reward(run_cfg.gold_reward), run_cfg.gold_prompts, every=run_cfg.gold_every, limit=run_cfg.gold_limit
         )
         alarm = HackingAlarm(
-            window=run_cfg.alarm_window, gold_drop=run_cfg.alarm_gold_drop, noise_z=run_cfg.alarm_noise_z
+            window=run_cfg.alarm_window,
+            gold_drop=run_cfg.alarm_gold_drop,
+            noise_z=run_cfg.alarm_noise_z,
+            alpha=run_cfg.alarm_alpha or None,
         )
         return cls(gold, alarm)
 
@@ -256,6 +261,8 @@ class HackingGuard:
             "gold": rec.mean,
             "gold_se": rec.se,  # of this point: std / sqrt(prompts)
             "gold_threshold": state.gold_threshold,  # the fitted gold change had to be below minus this to fire
+            "gold_z": state.z,  # the z of this look (run.alarm_noise_z, or the alpha-spending z of look `look`)
+            "look": state.look,
             "train_reward": stats["reward_mean"],
             "diversity": stats["diversity"],
             "alarm": state.fired,
