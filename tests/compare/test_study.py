@@ -144,8 +144,10 @@ def test_budgeted_runs_find_the_initial_model_evaluated_before_they_start(tmp_pa
                                                     "run.budget_minutes=30", "run.checkpoint_every=0"],
                      "eval_every": 0, "figure_run": None})
     logs: list[str] = []
-    res = execute(study, out, parallel=1, threads=1, log=logs.append)
-    assert res == [("fg/seed0", 0), ("sw/seed0", 0)]
+    # two at a time: the runs train side by side, but the two warm-ups of seed 0 run one after the other, so the
+    # second finds the first's evaluation in the cache instead of computing it at the same time
+    res = execute(study, out, parallel=2, threads=1, log=logs.append)
+    assert sorted(res) == [("fg/seed0", 0), ("sw/seed0", 0)]
     assert any("warming the initial model's evaluation for 2 budgeted runs" in m for m in logs)
     cached = list((out / "eval_base_cache").glob("*.json"))
     assert len(cached) == 1  # both arms evaluate the same initial model on the same prompts and noise
@@ -164,3 +166,30 @@ def test_warm_baseline_without_a_cache_folder_is_a_one_line_error(tmp_path, caps
                f"run.out_dir={tmp_path / 'run'}", "run.eval_baseline=true", "--warm-baseline"])
     err = capsys.readouterr().err
     assert rc != 0 and "--warm-baseline needs" in err and "run.eval_baseline_cache=FOLDER" in err
+
+
+def test_pool_runs_in_order_and_passes_over_jobs_that_may_not_start_yet(tmp_path):
+    """The subprocess pool shared by the warm-ups and the runs: at most `parallel` at a time, a job is passed over
+    while `may_start` says no (the warm-ups: never two of one seed at once), a None from `start` is skipped."""
+    import subprocess
+    import sys
+
+    from flowcredit.compare.study import _pool
+
+    started, ended, overlap = [], [], []
+
+    def start(job):
+        if job == ("skip", 9):
+            return None
+        busy_seeds = [j[1] for j in started if j not in [e for e, _ in ended]]
+        overlap.append(job[1] in busy_seeds)
+        started.append(job)
+        f = open(tmp_path / f"{job[0]}{job[1]}.log", "w")
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"], stdout=f), f
+
+    jobs = [("a", 0), ("b", 0), ("skip", 9), ("a", 1), ("b", 1)]
+    _pool(jobs, 2, start, lambda job, code: ended.append((job, code)),
+          may_start=lambda job, busy: all(s != job[1] for _, s in busy), poll_s=0.05)
+    assert started[:2] == [("a", 0), ("a", 1)]  # ("b", 0) waits for ("a", 0); seed 1 goes first
+    assert sorted(started) == sorted(j for j in jobs if j != ("skip", 9)) and not any(overlap)
+    assert sorted(ended) == sorted((j, 0) for j in started)

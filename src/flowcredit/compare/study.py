@@ -30,9 +30,10 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 STUDY_DIR = Path(__file__).resolve().parent.parent / "studies"
 
@@ -228,6 +229,40 @@ def run_commits(d: Path) -> list[str]:
     return [r["git_commit"] for r in recs if "git_commit" in r]
 
 
+def _pool(
+    jobs: list[Any],
+    parallel: int,
+    start: Callable[[Any], tuple[subprocess.Popen, IO[str]] | None],
+    finished: Callable[[Any, int], None],
+    may_start: Callable[[Any, list[Any]], bool] = lambda job, running: True,
+    poll_s: float = 1.0,
+) -> None:
+    """Run `jobs` as subprocesses, at most `parallel` at a time, in order except that a job is passed over while
+    `may_start(job, running jobs)` is False. `start(job)` launches one and returns (process, its log file), or None
+    when there is nothing to run (e.g. the run was reused); `finished(job, exit code)` is called once it ends (its
+    log file closed)."""
+    pending = list(jobs)
+    running: list[tuple[Any, subprocess.Popen, IO[str]]] = []
+    while pending or running:
+        while len(running) < parallel:
+            busy = [job for job, _, _ in running]
+            job = next((j for j in pending if may_start(j, busy)), None)
+            if job is None:
+                break
+            pending.remove(job)
+            launched = start(job)
+            if launched is not None:
+                running.append((job, *launched))
+        if running:
+            time.sleep(poll_s)
+        for item in list(running):
+            job, proc, log_file = item
+            if proc.poll() is not None:
+                running.remove(item)
+                log_file.close()
+                finished(job, proc.returncode)
+
+
 def warm_baselines(
     study: Study, out: Path, todo: list[tuple[StudyRun, int]], parallel: int, threads: int, log=print
 ) -> None:
@@ -236,7 +271,8 @@ def warm_baselines(
     <out>/warm/). Otherwise the first arm of a seed to finish would evaluate the initial model inside its own budget
     (≈ 65 s of 5.5 minutes for the shapes test split on one core) and the arms after it, reading the cache, would
     train that much longer. Arms that share an initial model and seed share one cache file; a warm-up that finds it
-    there costs only its setup."""
+    there costs only its setup. The cache is keyed per seed, so two warm-ups of one seed never run at once (both
+    would evaluate a shared initial model): another seed's warm-up goes first."""
     need = []
     for r, s in todo:
         rc = resolved_config(study, r, s, out, threads).run
@@ -245,26 +281,23 @@ def warm_baselines(
     if not need:
         return
     log(f"warming the initial model's evaluation for {len(need)} budgeted runs before they start")
-    running: list[tuple[subprocess.Popen, Any, Path]] = []
-    while need or running:
-        while need and len(running) < parallel:
-            r, s = need.pop(0)
-            d = out / "warm" / r.name / f"seed{s}"
-            d.mkdir(parents=True, exist_ok=True)
-            cmd = [
-                f"run.out_dir={d}" if c.startswith("run.out_dir=") else c
-                for c in train_command(study, r, s, out, threads)
-            ]
-            f = open(d / "warm.log", "a")
-            running.append((subprocess.Popen([*cmd, "--warm-baseline"], stdout=f, stderr=subprocess.STDOUT), f, d))
-        time.sleep(0.5)
-        for item in list(running):
-            proc, f, d = item
-            if proc.poll() is not None:
-                running.remove(item)
-                f.close()
-                if proc.returncode != 0:  # the run itself will then evaluate the baseline (and report the problem)
-                    log(f"warm-up in {d} failed (exit {proc.returncode}); see {d / 'warm.log'}")
+
+    def start(job: tuple[StudyRun, int]) -> tuple[subprocess.Popen, IO[str]]:
+        r, s = job
+        d = out / "warm" / r.name / f"seed{s}"
+        d.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            f"run.out_dir={d}" if c.startswith("run.out_dir=") else c for c in train_command(study, r, s, out, threads)
+        ]
+        f = open(d / "warm.log", "a")
+        return subprocess.Popen([*cmd, "--warm-baseline"], stdout=f, stderr=subprocess.STDOUT), f
+
+    def finished(job: tuple[StudyRun, int], code: int) -> None:
+        if code != 0:  # the run itself will then evaluate the baseline (and report the problem)
+            d = out / "warm" / job[0].name / f"seed{job[1]}"
+            log(f"warm-up in {d} failed (exit {code}); see {d / 'warm.log'}")
+
+    _pool(need, parallel, start, finished, may_start=lambda job, busy: all(s != job[1] for _, s in busy), poll_s=0.5)
 
 
 def execute(
@@ -297,27 +330,24 @@ def execute(
         f"study '{study.name}': {done} runs finished, {len(results)} reused, {len(todo)} to run ({parallel} at a time)"
     )
     warm_baselines(study, out, todo, parallel, threads, log)
-    running: list[tuple[subprocess.Popen, str, Path]] = []
-    while todo or running:
-        while todo and len(running) < parallel:
-            r, s = todo.pop(0)
-            if try_reuse(r, s):  # finished meanwhile in a reuse folder (e.g. a study running beside this one)
-                continue
-            d = run_dir(out, r, s)
-            d.mkdir(parents=True, exist_ok=True)
-            cmd = train_command(study, r, s, out, threads)
-            f = open(d / "train.log", "a")
-            record_provenance(d, cmd)
-            log(f"start {r.name} seed {s}")
-            running.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT), f"{r.name}/seed{s}", d))
-        time.sleep(1.0)
-        for item in list(running):
-            proc, label, d = item
-            if proc.poll() is not None:
-                running.remove(item)
-                results.append((label, proc.returncode))
-                log(
-                    f"finished {label} (exit {proc.returncode})"
-                    + ("" if proc.returncode == 0 else f"; see {d / 'train.log'}")
-                )
+
+    def start(job: tuple[StudyRun, int]) -> tuple[subprocess.Popen, IO[str]] | None:
+        r, s = job
+        if try_reuse(r, s):  # finished meanwhile in a reuse folder (e.g. a study running beside this one)
+            return None
+        d = run_dir(out, r, s)
+        d.mkdir(parents=True, exist_ok=True)
+        cmd = train_command(study, r, s, out, threads)
+        f = open(d / "train.log", "a")
+        record_provenance(d, cmd)
+        log(f"start {r.name} seed {s}")
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT), f
+
+    def finished(job: tuple[StudyRun, int], code: int) -> None:
+        r, s = job
+        results.append((f"{r.name}/seed{s}", code))
+        see = "" if code == 0 else f"; see {run_dir(out, r, s) / 'train.log'}"
+        log(f"finished {r.name}/seed{s} (exit {code}){see}")
+
+    _pool(todo, parallel, start, finished)
     return results
