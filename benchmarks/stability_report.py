@@ -3,7 +3,7 @@ checks: final full-test strict vs its best periodic evaluation, the hacking guar
 
     flowcredit train run.budget_minutes=60 run.iterations=100000 run.eval_every=100 run.gold_reward=shapes \
         run.gold_every=50 run.checkpoint_every=200 run.grid_every=200 run.out_dir=runs/stability60
-    python benchmarks/stability_report.py runs/stability60 [--replay-alarm [--alarm-alpha A]]
+    python benchmarks/stability_report.py runs/stability60 [--replay-alarm [--alarm-alpha A]] [--alarm-only]
 
 The periodic evaluation (eval_curve.jsonl) scores run.eval_subset tag-balanced held-out prompts with the EMA weights;
 the final one (eval.json) the whole held-out split, trained and shipped model on the same noise. Criteria (issue 23):
@@ -32,12 +32,21 @@ def main() -> None:
     )
     ap.add_argument("--alarm-alpha", type=float, default=None,
                     help="replay with this run.alarm_alpha (0 = the per-look noise_z test); default: the run's own")
+    ap.add_argument("--alarm-only", action="store_true",
+                    help="only the gold guard (runs without a final or periodic evaluation, e.g. a hacking probe)")
     a = ap.parse_args()
-    ev = json.loads((a.run / "eval.json").read_text())
-    curve = [json.loads(x) for x in (a.run / "eval_curve.jsonl").read_text().splitlines() if x.strip()]
     metrics = [json.loads(x) for x in (a.run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     gold_f = a.run / "gold.jsonl"
     gold = [json.loads(x) for x in gold_f.read_text().splitlines() if x.strip()] if gold_f.exists() else []
+    if a.alarm_only:
+        fired = [g["iteration"] for g in gold if g.get("alarm")]
+        print(f"run: {a.run}  iterations: {len(metrics)}  gold points: {len(gold)}  alarms logged by the run: "
+              f"{len(fired)}" + (f" (iterations {fired})" if fired else ""))
+        if a.replay_alarm:
+            replay_alarm(a.run, metrics, a.alarm_alpha)
+        return
+    ev = json.loads((a.run / "eval.json").read_text())
+    curve = [json.loads(x) for x in (a.run / "eval_curve.jsonl").read_text().splitlines() if x.strip()]
 
     train_s = sum(m["seconds_total"] for m in metrics)
     print(f"run: {a.run}  iterations: {len(metrics)}  training seconds: {train_s:.0f}")
