@@ -110,7 +110,8 @@ def replay_alarm(run: Path, metrics: list[dict], alpha: float | None = None) -> 
         alpha=(rc.get("alarm_alpha", 0.05) if alpha is None else alpha) or None,
     )
     by_it = {m["iteration"]: m for m in metrics}
-    fired = []
+    fired: list[int] = []
+    warned: list[int] = []
     rule = f"run-level alpha {alarm.alpha:g}" if alarm.alpha is not None else f"per-look noise_z {alarm.noise_z:g}"
     print(f"replayed alarm ({ckpts[-1].parent.name}, {len(records)} gold points, window {alarm.window}, "
           f"{rule}, gold_drop {alarm.gold_drop:g}):")
@@ -124,8 +125,10 @@ def replay_alarm(run: Path, metrics: list[dict], alpha: float | None = None) -> 
         alarm.update_gold(rec.iteration, rec.mean, se=rec.se, scores=rec.scores)
         st = alarm.check()
         fired += [rec.iteration] if st.fired else []
+        warned += [rec.iteration] if st.warning else []
         print(f"  {rec.iteration:>5}: gold {rec.mean:.3f}  {'ALARM ' if st.fired else ''}{st.message}")
-    print(f"replayed alarms: {len(fired)}" + (f" (iterations {fired})" if fired else ""))
+    print(f"replayed alarms: {len(fired)}" + (f" (iterations {fired})" if fired else "")
+          + f"; per-look warnings: {len(warned)}" + (f" (iterations {warned})" if warned else ""))
 
 
 if __name__ == "__main__":

@@ -320,6 +320,12 @@ def test_alarm_alpha_counts_looks_and_raises_its_threshold():
         assert a.gold_change == pytest.approx(f.gold_change) and a.gold_se == pytest.approx(f.gold_se)
         assert a.gold_threshold == pytest.approx(a.z * a.gold_se)
     assert "look 1 of a run-level alpha 0.05" in spend[2].message
+    # the per-look test is reported beside the run-level alarm as a warning: it fires where the fixed-z alarm fires
+    assert [s.warning for s in spend] == [s.fired for s in fixed]
+    assert [s.warning for s in fixed] == [s.fired for s in fixed]
+    late = [a for a, f in zip(spend[2:], fixed[2:]) if f.fired and not a.fired]
+    assert late and all("warning: gold fell by more than 2 SE" in a.message for a in late)
+    assert not any("warning" in f.message for f in fixed)  # without alpha the warning is the alarm itself
     # a resumed alarm counts its looks on from the gold history, and several checks at one point are one look
     again = HackingAlarm(window=3, min_points=3, alpha=0.05)
     half = HackingAlarm(window=3, min_points=3, alpha=0.05)

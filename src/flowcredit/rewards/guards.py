@@ -265,6 +265,7 @@ class AlarmState:
     gold_threshold: float = 0.0  # gold_change had to be below −gold_threshold = −max(gold_drop, z · gold_se)
     z: float = 0.0  # the z of this look: noise_z, or spending_z(look, alpha) with alpha
     look: int = 0  # 1 for the first check with min_points gold points, then one more per gold point (0 = waiting)
+    warning: bool = False  # gold fell by more than max(gold_drop, noise_z · gold_se) while training rose (per look)
 
 
 class HackingAlarm:
@@ -282,7 +283,9 @@ class HackingAlarm:
     probability ≈ Φ(−noise_z) (2.3% at 2), and a 60-minute run at the default cadence makes about 10 looks. With
     `alpha` the k-th look uses `spending_z(k, alpha)`, and a healthy run fires at all with probability ≤ alpha. The
     k-th look is the check made when gold point min_points + k − 1 has arrived (derived from the gold history, so a
-    resumed run counts on); several `check` calls at one gold point are one look.
+    resumed run counts on); several `check` calls at one gold point are one look. Beside the alarm, `warning` reports
+    the per-look test at `noise_z` (with `alpha` None it fires with the alarm): a slow, steady fall crosses it looks
+    before it crosses the rising z_k, so a warning without an alarm is worth a look at the gold curve.
 
     Args:
         window: gold points per check (>= 2); min_points: points needed before it can fire.
@@ -374,6 +377,8 @@ class HackingAlarm:
         rising = nt >= 2 and t > self.train_rise
         if rising and g < -g_thr:
             reasons.append("gold_down")
+        # the per-look test at noise_z, reported beside a run-level alarm: sensitive to slow falls, not controlled
+        warning = rising and g < -max(self.gold_drop, self.noise_z * g_se)
         if rising and d is not None and self.diversity_drop is not None and d < -self.diversity_drop:
             reasons.append("diversity_down")
         msg = (
@@ -382,8 +387,16 @@ class HackingAlarm:
             f"{g_se:.4f}{f', look {look} of a run-level alpha {self.alpha:g}' if self.alpha is not None else ''})"
             + (f", diversity {d:+.4f}" if d is not None else "")
             + (f" -> possible reward hacking ({', '.join(reasons)})" if reasons else "")
+            + (
+                f" -> warning: gold fell by more than {self.noise_z:g} SE (the per-look test; the run-level alarm "
+                f"needs {z:.3g})"
+                if warning and "gold_down" not in reasons
+                else ""
+            )
         )
-        return AlarmState(bool(reasons), t, g, d, reasons, msg, gold_se=g_se, gold_threshold=g_thr, z=z, look=look)
+        return AlarmState(
+            bool(reasons), t, g, d, reasons, msg, gold_se=g_se, gold_threshold=g_thr, z=z, look=look, warning=warning
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -461,6 +461,9 @@ class GRPOTrainer(CheckpointMixin):
             f.write(json.dumps(line) + "\n")
         if line["alarm"]:
             print(f"warning: reward-hacking alarm at iteration {self.iteration}: {line['message']}", file=sys.stderr)
+        elif line["warning"]:
+            print(f"note: gold fell at iteration {self.iteration} (per-look test, no alarm): {line['message']}",
+                  file=sys.stderr)
 
     def _reference(self):
         """Context yielding the reference policy π_ref: a frozen copy of the initial weights (optim.kl_reference=ema:

@@ -263,6 +263,7 @@ class HackingGuard:
             "gold_threshold": state.gold_threshold,  # the fitted gold change had to be below minus this to fire
             "gold_z": state.z,  # the z of this look (run.alarm_noise_z, or the alpha-spending z of look `look`)
             "look": state.look,
+            "warning": state.warning,  # the per-look test at run.alarm_noise_z (not error-controlled over the run)
             "train_reward": stats["reward_mean"],
             "diversity": stats["diversity"],
             "alarm": state.fired,
