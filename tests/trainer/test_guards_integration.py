@@ -36,3 +36,5 @@ def test_gold_reward_and_diversity_are_logged(tmp_path):
     assert all(0.0 <= g["gold"] <= 1.0 and isinstance(g["alarm"], bool) for g in gold)
     # each point's standard error (std / sqrt(4 prompts)) and the fall the alarm needed (run.alarm_noise_z = 2)
     assert all(g["gold_se"] >= 0.0 and g["gold_threshold"] >= 0.0 for g in gold)
+    # the run-level alarm's look and z (run.alarm_alpha), and the per-look warning beside it
+    assert [g["look"] for g in gold] == [0, 0] and all(isinstance(g["warning"], bool) for g in gold)
