@@ -3,24 +3,14 @@ any false alarm under alpha where the fixed per-look z does not, and it still ca
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from flowcredit.rewards.guards import HackingAlarm
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "alarm_calibration.py"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("alarm_calibration", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+BENCHMARK = "alarm_calibration"  # benchmarks/alarm_calibration.py, the `bench` fixture (conftest.py)
 
 
 def test_a_frozen_policy_never_fires(bench):

@@ -2,21 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_grad_noise.py"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_grad_noise", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+BENCHMARK = "bench_grad_noise"  # benchmarks/bench_grad_noise.py, the `bench` fixture (conftest.py)
 
 
 @pytest.mark.parametrize("rho_true", [0.0, 0.05, 0.5])
