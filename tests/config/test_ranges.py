@@ -17,6 +17,7 @@ from typing import Optional
 import pytest
 import yaml
 
+import flowcredit.trainer.grpo  # noqa: F401  (every registry, imported as `flowcredit train` does before loading)
 from flowcredit.cli.main import PRESET_DIR
 from flowcredit.config import ConfigError, check_ranges, describe, from_dict, load_config, load_yaml, range_text, to_dict
 from flowcredit.config.load import _walk_fields
@@ -58,6 +59,8 @@ BAD_VALUES = [
     ("run.alarm_window=1", "run.alarm_window = 1", "must be >= 2"),
     ("run.alarm_gold_drop=-0.1", "run.alarm_gold_drop = -0.1", "must be >= 0"),
     ("run.alarm_noise_z=-1", "run.alarm_noise_z = -1.0", "must be >= 0"),
+    ("run.alarm_alpha=1", "run.alarm_alpha = 1.0", "must be in [0, 1)"),
+    ("run.alarm_alpha=-0.05", "run.alarm_alpha = -0.05", "must be in [0, 1)"),
     ("data.group_size=1", "data.group_size = 1", "must be >= 2"),
     ("data.prompts_per_iter=0", "data.prompts_per_iter = 0", "must be >= 1"),
     ("data.batch_size=0", "data.batch_size = 0", "must be >= 1"),

@@ -395,7 +395,8 @@ class RunCfg:
         "Hacking alarm: the run's false-alarm budget, spent over its looks as alpha/(k(k+1)) at the k-th gold check "
         "(z_k = Phi^-1(1 - alpha/(k(k+1))): 1.96 at the first, 3.32 at the tenth), so a run whose gold does not fall "
         "fires with probability <= alpha however long it runs; 0 = the fixed alarm_noise_z at every look (about "
-        "2% of looks of a healthy run fire, ~10% of 60-minute runs).",
+        "2% of looks of a healthy run fire: 13-15% of healthy 60-minute runs, simulated; still reported as "
+        "'warning').",
         ge=0,
         lt=1,
     )
