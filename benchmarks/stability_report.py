@@ -92,9 +92,13 @@ def main() -> None:
 
 def replay_alarm(run: Path, metrics: list[dict], alpha: float | None = None) -> None:
     """Print what today's HackingAlarm says at every gold point of the run (module docstring)."""
+    import dataclasses
+
     import yaml
 
-    from flowcredit.rewards.guards import GoldRecord, HackingAlarm
+    from flowcredit.config.schema import RunCfg
+    from flowcredit.rewards.guards import GoldRecord
+    from flowcredit.trainer.harness import HackingGuard
 
     ckpts = sorted((run / "checkpoints").glob("iter*/state.json"))
     if not ckpts:
@@ -103,12 +107,11 @@ def replay_alarm(run: Path, metrics: list[dict], alpha: float | None = None) -> 
     state = json.loads(ckpts[-1].read_text())["state"]
     records = [GoldRecord(**r) for r in state.get("harness", {}).get("guard", {}).get("gold", {}).get("records", [])]
     rc = (yaml.safe_load((run / "config.yaml").read_text()) or {}).get("run", {})
-    alarm = HackingAlarm(
-        window=rc.get("alarm_window", 5),
-        gold_drop=rc.get("alarm_gold_drop", 0.0),
-        noise_z=rc.get("alarm_noise_z", 2.0),
-        alpha=(rc.get("alarm_alpha", 0.05) if alpha is None else alpha) or None,
-    )
+    # the run's alarm settings; those it predates take today's defaults (RunCfg's)
+    cfg = RunCfg(**{k: v for k, v in rc.items() if k.startswith("alarm_") and k in RunCfg.__dataclass_fields__})
+    if alpha is not None:
+        cfg = dataclasses.replace(cfg, alarm_alpha=alpha)
+    alarm = HackingGuard.alarm_from_config(cfg)
     by_it = {m["iteration"]: m for m in metrics}
     fired: list[int] = []
     warned: list[int] = []

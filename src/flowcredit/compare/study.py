@@ -282,9 +282,12 @@ def warm_baselines(
         return
     log(f"warming the initial model's evaluation for {len(need)} budgeted runs before they start")
 
+    def warm_dir(job: tuple[StudyRun, int]) -> Path:
+        return out / "warm" / job[0].name / f"seed{job[1]}"
+
     def start(job: tuple[StudyRun, int]) -> tuple[subprocess.Popen, IO[str]]:
         r, s = job
-        d = out / "warm" / r.name / f"seed{s}"
+        d = warm_dir(job)
         d.mkdir(parents=True, exist_ok=True)
         cmd = [
             f"run.out_dir={d}" if c.startswith("run.out_dir=") else c for c in train_command(study, r, s, out, threads)
@@ -294,7 +297,7 @@ def warm_baselines(
 
     def finished(job: tuple[StudyRun, int], code: int) -> None:
         if code != 0:  # the run itself will then evaluate the baseline (and report the problem)
-            d = out / "warm" / job[0].name / f"seed{job[1]}"
+            d = warm_dir(job)
             log(f"warm-up in {d} failed (exit {code}); see {d / 'warm.log'}")
 
     _pool(need, parallel, start, finished, may_start=lambda job, busy: all(s != job[1] for _, s in busy), poll_s=0.5)

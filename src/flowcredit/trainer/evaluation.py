@@ -127,9 +127,10 @@ class RunEvaluation:
         """Evaluate the initial model into run.eval_baseline_cache now, unless it is there already; returns the
         cache file (None: no cache, or no initial model). `flowcredit compare` calls it (`train --warm-baseline`)
         before time-budgeted runs, so no arm pays for the shared baseline inside its own budget."""
-        cache = self.baseline_cache_file(self.kwargs())
+        kw = self.kwargs()
+        cache = self.baseline_cache_file(kw)
         if cache is not None and not cache.is_file():
-            self._baseline(self.kwargs(), self.dist.is_main, {})
+            self._baseline(kw, self.dist.is_main, {})
         return cache
 
     def _baseline(self, kw: dict[str, Any], main: bool, result: dict[str, Any]) -> dict[str, Any]:

@@ -235,18 +235,24 @@ class HackingGuard:
     def from_config(cls, run_cfg: Any, build_reward: Callable[[str], Any]) -> HackingGuard | None:
         if not run_cfg.gold_reward:
             return None
-        from ..rewards.guards import GoldMonitor, HackingAlarm
+        from ..rewards.guards import GoldMonitor
 
         gold = GoldMonitor.from_prompts(
             build_reward(run_cfg.gold_reward), run_cfg.gold_prompts, every=run_cfg.gold_every, limit=run_cfg.gold_limit
         )
-        alarm = HackingAlarm(
+        return cls(gold, cls.alarm_from_config(run_cfg))
+
+    @staticmethod
+    def alarm_from_config(run_cfg: Any) -> Any:
+        """The `HackingAlarm` of the run.alarm_* settings (also used to replay a finished run's alarm)."""
+        from ..rewards.guards import HackingAlarm
+
+        return HackingAlarm(
             window=run_cfg.alarm_window,
             gold_drop=run_cfg.alarm_gold_drop,
             noise_z=run_cfg.alarm_noise_z,
             alpha=run_cfg.alarm_alpha or None,
         )
-        return cls(gold, alarm)
 
     def step(self, iteration: int, stats: dict[str, Any], sample_fn: Callable) -> dict[str, Any] | None:
         self.alarm.update_train(iteration, stats["reward_mean"])
