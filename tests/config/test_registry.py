@@ -238,3 +238,38 @@ def test_resume_of_a_run_written_before_the_options_sections(tmp_path, capsys):
     # a user-written file with an old key is still an error naming the new key (no silent migration)
     with pytest.raises(ConfigError, match="is an old key"):
         load_config(TrainConfig, str(run / "config.yaml"))
+
+
+@pytest.mark.parametrize(
+    "args, preset, objective, method",
+    [
+        (["objective=awm"], "tiny_awm", "awm", "flow_grpo"),  # objective=X alone: its recipe preset
+        (["objective=nft", "method=stepwise"], "tiny_nft", "nft", "stepwise"),  # = `tiny_nft method=stepwise`
+        (["objective=awm", "method=vgpo"], "tiny_awm", "awm", "vgpo"),
+        (["objective=grpo"], "tiny_flow_grpo", "grpo", "flow_grpo"),
+        (["objective=grpo", "method=stepwise"], "tiny_stepwise", "grpo", "stepwise"),  # GRPO presets: by method
+        (["method=stepwise"], "tiny_stepwise", "grpo", "stepwise"),
+        (["objective.name=awm"], "tiny_nft", "awm", "flow_grpo"),  # the dotted key keeps the default preset
+        ([], "tiny_nft", "nft", "flow_grpo"),
+    ],
+)
+def test_objective_and_method_shorthands_pick_the_preset(args, preset, objective, method):
+    from flowcredit.config.resolve import resolve_train_config
+
+    cfg, name = resolve_train_config(args)
+    assert (name, cfg.objective.name, cfg.method, cfg.credit.name) == (preset, objective, method, method)
+
+
+def test_section_equals_name_is_section_dot_name():
+    # SECTION=NAME is SECTION.name=NAME for the sections with a `name` field: same config, options dropped alike
+    short = load_config(TrainConfig, "tiny_nft", ["objective=awm", "sampler=ddim_sde"], preset_dirs=[PRESET_DIR])
+    dotted = load_config(TrainConfig, "tiny_nft", ["objective.name=awm", "sampler.name=ddim_sde"],
+                         preset_dirs=[PRESET_DIR])
+    assert short == dotted and short.objective.name == "awm" and short.sampler.name == "ddim_sde"
+    # a mapping value is still a mapping, and a non-name value still gets the one-line type error
+    full = load_config(TrainConfig, "tiny_nft", ["objective={name: awm}"], preset_dirs=[PRESET_DIR])
+    assert full.objective.name == "awm"
+    with pytest.raises(ConfigError, match="objective"):
+        load_config(TrainConfig, "tiny_nft", ["objective=3"], preset_dirs=[PRESET_DIR])
+    with pytest.raises(ConfigError, match="'nope', not a registered objective; use one of grpo, awm, nft"):
+        load_config(TrainConfig, "tiny_nft", ["objective=nope"], preset_dirs=[PRESET_DIR])

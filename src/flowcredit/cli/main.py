@@ -1,9 +1,10 @@
 """`flowcredit` command line: train | eval | sample | prompts | render | pretrain | compare | export | convert |
 serve-reward.
 
-    flowcredit train                                  # the embedded default: tiny model, shapes, Flow-GRPO, CPU
+    flowcredit train                                  # the embedded default: tiny model, shapes, DiffusionNFT, CPU
     flowcredit train tiny_stepwise run.iterations=50  # a preset + key=value overrides
     flowcredit train method=vgpo                      # method=X alone picks the preset tiny_X
+    flowcredit train objective=awm method=vgpo        # objective=X picks tiny_X first (its recipe), method on top
     flowcredit train my.yaml optim.lr=1e-5            # a YAML file (may say `base: tiny_flow_grpo`)
     flowcredit train --help-config                    # every key, its type, default and help
     flowcredit train resume=runs/x [key=value ...]    # continue a run from its newest valid checkpoint

@@ -5,7 +5,9 @@ machinery around it and knows nothing about the project's schema; this module is
 
 * ``load_yaml(path)`` (files.py) reads a YAML file and records the line of every key, so errors can say
   ``file.yaml:LINE``. A file may start from another one with ``base: other.yaml`` (deep merge, lists are replaced).
-* ``apply_overrides(data, ["sampler.noise_level=0.5", ...])`` (overrides.py) applies command-line dotlist overrides.
+* ``apply_overrides(data, ["sampler.noise_level=0.5", ...])`` (overrides.py) applies command-line dotlist overrides;
+  ``load_config`` reads ``SECTION=NAME`` as ``SECTION.name=NAME`` for a top-level section with a ``name`` field
+  (``objective=awm``).
 * ``from_dict(cls, data)`` (build.py) builds the dataclasses strictly: unknown keys, wrong types and values outside a
   ``Literal`` are errors that name the key, where it came from and how to fix it. This is what prevents the
   flow_grpo "dead key" bug (STYLE.md §4.2): a key the code never reads can't be set.
@@ -141,7 +143,7 @@ def load_config(
                 print(f"note: {_display(path)} was written by an older flowcredit; read with {'; '.join(notes)}",
                       file=sys.stderr)
 
-    overrides = list(overrides)
+    overrides = _name_shorthand(cls, list(overrides))
     data = _drop_replaced_options(data, overrides)
     data, override_sources = _apply_overrides(data, overrides)
     for key in override_sources:  # an override replaces the whole subtree the file had set
@@ -149,6 +151,27 @@ def load_config(
             del sources[k]
     sources.update(override_sources)
     return from_dict(cls, data, source=sources)
+
+
+def _name_shorthand(cls: type, overrides: list[str]) -> list[str]:
+    """`SECTION=NAME` for a top-level section whose dataclass has a `name` field means `SECTION.name=NAME`
+    (`objective=awm`, `sampler=ddim_sde`, `reward=clip`: the registry-backed sections), so the short form picks an
+    implementation the way `SECTION.name=` does, dropping the file's options of the old one. A mapping value
+    (`objective={name: awm, options: {...}}`) is left as it is."""
+    hints = _type_hints(cls)
+    out = []
+    for o in overrides:
+        key, sep, raw = o.partition("=") if isinstance(o, str) else ("", "", "")
+        tp = hints.get(key.strip()) if sep and "." not in key else None
+        if tp is not None and dataclasses.is_dataclass(tp) and "name" in {f.name for f in dataclasses.fields(tp)}:
+            try:
+                value = yaml.safe_load(raw) if raw.strip() else None
+            except yaml.YAMLError:
+                value = None  # apply_overrides reports it
+            if isinstance(value, str):
+                o = f"{key.strip()}.name={raw}"
+        out.append(o)
+    return out
 
 
 def _drop_replaced_options(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
     resolve_train_config(["tiny_stepwise", "run.iterations=50"])  # a preset + key=value overrides
     resolve_train_config(["method=vgpo"])                         # method=X alone picks the preset tiny_X
+    resolve_train_config(["objective=awm", "method=vgpo"])        # objective=X picks tiny_X first; method on top
     resolve_train_config(["resume=runs/x", "run.iterations=80"])  # a run's own config.yaml, then overrides
 
 Owned by `config` so that `cli`, `compare` and scripts resolve a run the same way without importing the CLI.
@@ -49,9 +50,17 @@ def resolve_train_config(args: list[str]) -> tuple[TrainConfig, str]:
     if presets:
         preset = presets[0]
     else:
-        method = next((o.split("=", 1)[1] for o in overrides if o.startswith("method=")), None)
-        preset = f"tiny_{method}" if method else DEFAULT_PRESET
-        if method and not (PRESET_DIR / f"{preset}.yaml").exists():
-            preset = DEFAULT_PRESET
+        # without a preset, objective=X (its recipe: tiny_nft, tiny_awm) and method=X (tiny_stepwise) pick one, the
+        # objective first: `objective=nft method=stepwise` is `tiny_nft method=stepwise`. The presets of the GRPO
+        # objective are named by their method, so `objective=grpo` defers to method=X, else it is tiny_flow_grpo.
+        value = {k: o.split("=", 1)[1].strip() for k in ("objective", "method") for o in overrides
+                 if o.startswith(f"{k}=")}
+        objective, method = value.get("objective"), value.get("method")
+        picks = [f"tiny_{method}"] if method else []
+        if objective == "grpo":
+            picks.append("tiny_flow_grpo")
+        elif objective:
+            picks.insert(0, f"tiny_{objective}")
+        preset = next((p for p in picks if (PRESET_DIR / f"{p}.yaml").exists()), DEFAULT_PRESET)
     cfg = load_config(TrainConfig, preset, overrides, preset_dirs=[PRESET_DIR])
     return cfg, Path(preset).stem
