@@ -44,6 +44,7 @@ from .memory import (  # noqa: F401
 STREAM_NOISE = 1
 STREAM_UPDATE_ORDER = 2
 STREAM_STEP_SUBSET = 3
+STREAM_GLOBAL_RNG = 4  # the global RNGs after setup, per rank (seed_global_rngs)
 
 GRAD_BUCKET_NUMEL = 1 << 24  # 16 M elements (64 MB fp32) per gradient all-reduce
 
@@ -54,6 +55,28 @@ def derived_generator(seed: int, stream: int, iteration: int, index: int = 0) ->
         2, np.uint32
     )
     return torch.Generator(device="cpu").manual_seed(int(s[0]) << 31 ^ int(s[1]))
+
+
+def seed_global_rngs(seed: int, rank: int | None = None) -> None:
+    """Seed the process-global RNGs (torch CPU + CUDA, numpy's legacy ``np.random``, python's ``random``): ``run.seed``.
+
+    ``rank=None`` seeds them with ``seed`` itself, identically on every rank: the trainer calls it first in ``setup()``,
+    before anything is built, so whatever draws from the global RNG while building (peft's LoRA initialisation,
+    diffusers' init of weights missing from a checkpoint, a plugin's modules) draws the same numbers in every run and
+    on every rank: every rank starts from the same weights. ``rank=r`` reseeds them with a value derived from (seed,
+    rank) once everything is built, for what draws from them later (e.g. dropout inside a plugin's network), like
+    DDP's per-rank seeds; flowcredit's own randomness never draws from them (it uses `derived_generator`, keyed by
+    global indices), so the rank offset cannot change what 1 or N processes compute.
+    """
+    import random
+
+    if rank is None:
+        value = int(seed)
+    else:
+        value = int(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, STREAM_GLOBAL_RNG, int(rank)]).generate_state(1)[0])
+    random.seed(value)
+    np.random.seed(value & 0xFFFFFFFF)
+    torch.manual_seed(value)  # also every CUDA device's generator
 
 
 class Dist:

@@ -53,6 +53,7 @@ from .distributed import (
     enable_gradient_checkpointing,
     layout_noise,
     plan_update,
+    seed_global_rngs,
 )
 from .evaluation import RunEvaluation
 from .faults import NonFiniteGuard, RetryingCall, first_nonfinite, inject_point
@@ -111,6 +112,8 @@ class GRPOTrainer(CheckpointMixin):
         from ..rewards.registry import build_reward, reward_from_config
         from ..shapes.prompts import load_prompts
         from .data import PromptSampler
+
+        seed_global_rngs(cfg.run.seed)  # before anything is built: the same weights in every run and on every rank
 
         # --- validate inputs first: nothing is written to the run folder on bad input -----------------------
         with _one_line("data.train_prompts: "):
@@ -177,6 +180,7 @@ class GRPOTrainer(CheckpointMixin):
         decay_iters = min(cfg.run.iterations, oc.lr_decay_iterations or cfg.run.iterations)
         self.lr_schedule = LRSchedule(oc.lr, oc.lr_schedule, oc.lr_final, oc.warmup_iters, decay_iters)
         self.gen = torch.Generator(device="cpu").manual_seed(cfg.run.seed)
+        seed_global_rngs(cfg.run.seed, self.dist.rank)  # built: later global draws (a plugin's dropout) per rank
         self.timesteps = time_grid(cfg.sampler.num_steps, cfg.sampler.shift, cfg.sampler.grid)
         self.params = cfg.sampler  # the step parameters (config.schema.SamplerParams is SamplerCfg's base)
         self.credit_state: dict[str, torch.Tensor] = {}
