@@ -122,7 +122,7 @@ def test_crn_shares_noise_and_steps_within_a_group():
 
     kw = dict(seed=0, iteration=1, inner_epochs=1, updates_per_epoch=1, steps_per_sample=2, skip_zero_adv=False)
     adv, mask = torch.ones(B, T), torch.ones(T, dtype=torch.bool)
-    _, plan = plan_update(adv, mask, Shard(B // G, G, 0, 1), step_groups=gids.tolist(), **kw)
+    _, _, plan = plan_update(adv, mask, Shard(B // G, G, 0, 1), step_groups=gids.tolist(), **kw)
     steps = {b: sorted(j for bb, j in plan[0][0][0] if bb == b) for b in range(B)}
     assert steps[0] == steps[1] == steps[2] and steps[3] == steps[4] == steps[5]
     assert all(len(s) == 2 for s in steps.values())

@@ -103,21 +103,24 @@ def test_layout_noise_does_not_depend_on_the_process_count(shared, groups, size,
     assert not torch.equal(layout_noise(7, 6, Shard(groups, size, 0, 1), latent, T, shared)[1], step1)
 
 
-@pytest.mark.parametrize("steps_per_sample, skip_zero", [(0, True), (1, False)])
-def test_update_plan_is_the_one_process_plan_cut_by_rows(steps_per_sample, skip_zero):
+@pytest.mark.parametrize("steps_per_sample, skip_zero, loss_mean", [(0, True, "planned"), (0, True, "nonzero"),
+                                                                   (1, False, "planned")])
+def test_update_plan_is_the_one_process_plan_cut_by_rows(steps_per_sample, skip_zero, loss_mean):
     B, T = 8, 3
     adv = torch.randn(B, T)
     adv[1] = 0.0
     mask = torch.tensor([True, True, False])
-    kw = dict(seed=3, iteration=2, inner_epochs=2, updates_per_epoch=3, steps_per_sample=steps_per_sample, skip_zero_adv=skip_zero)
-    n1, plan1 = plan_update(adv, mask, Shard(4, 2, 0, 1), **kw)
+    kw = dict(seed=3, iteration=2, inner_epochs=2, updates_per_epoch=3, steps_per_sample=steps_per_sample,
+              skip_zero_adv=skip_zero, loss_mean=loss_mean)
+    n1, c1, plan1 = plan_update(adv, mask, Shard(4, 2, 0, 1), **kw)
     plans = [plan_update(adv, mask, Shard(4, 2, r, 2), **kw) for r in range(2)]
-    assert all(n == n1 for n, _ in plans)
+    assert all((n, c) == (n1, c1) for n, c, _ in plans)
     for e, epoch in enumerate(plan1):
         for c, (pairs, n_global) in enumerate(epoch):
-            assert n_global == len(pairs)
+            if not (skip_zero and loss_mean == "planned"):
+                assert n_global == len(pairs)
             merged = []
-            for r, (_, p) in enumerate(plans):
+            for r, (_, _, p) in enumerate(plans):
                 mine, n_r = p[e][c]
                 assert n_r == n_global  # every rank normalises by the global count
                 merged += [(b + 4 * r, j) for b, j in mine]
@@ -218,13 +221,13 @@ def test_update_plan_systematic_draw_spreads_each_samples_steps():
     B, T = 6, 10
     mask = torch.tensor([True] * 9 + [False])
     kw = dict(seed=1, iteration=3, inner_epochs=1, updates_per_epoch=1, steps_per_sample=3, skip_zero_adv=False)
-    _, plan = plan_update(torch.ones(B, T), mask, Shard(B, 1, 0, 1), step_draw="systematic", **kw)
+    _, _, plan = plan_update(torch.ones(B, T), mask, Shard(B, 1, 0, 1), step_draw="systematic", **kw)
     pairs = plan[0][0][0]
     for b in range(B):
         steps = sorted(j for bb, j in pairs if bb == b)
         assert [j // 3 for j in steps] == [0, 1, 2]  # one step in each third of the 9 trainable steps
     # the same draw for the members of a group (crn) as with the random draw
-    _, plan = plan_update(torch.ones(B, T), mask, Shard(3, 2, 0, 1), step_draw="systematic", step_groups=[0, 0, 1, 1, 2, 2], **kw)
+    _, _, plan = plan_update(torch.ones(B, T), mask, Shard(3, 2, 0, 1), step_draw="systematic", step_groups=[0, 0, 1, 1, 2, 2], **kw)
     pairs = plan[0][0][0]
     assert sorted(j for b, j in pairs if b == 0) == sorted(j for b, j in pairs if b == 1)
 

@@ -250,6 +250,51 @@ def test_zero_variance_groups_skip_update(tmp_path, model_path, method):
     assert all_finite(rec), rec
 
 
+def one_group_constant_reward(images, prompts, metadata, group_ids=None, **kw):
+    """Group 0 scored by image mean (distinct rewards), group 1 all 0.5: its advantages are exactly 0."""
+    scores = images.float().mean(dim=(1, 2, 3))
+    return RewardOutput(scores=torch.where(group_ids == 0, scores, torch.full_like(scores, 0.5)))
+
+
+def _grads_and_stats(tmp_path, model_path, out, *overrides, skip=True):
+    tr = make_trainer(tmp_path, model_path, "optim.micro_batch=1", "optim.grad_clip=1e9", *overrides, out=out,
+                      reward=one_group_constant_reward)
+    if not skip:  # compute the zero-advantage pairs too
+        tr.objective.skip_zero_advantage = lambda on_policy, kl_beta: False
+    tr.opt.step = lambda *a, **k: None  # keep the accumulated gradient
+    stats = tr.train_step()
+    return {n: p.grad.detach().clone() for n, p in tr.model.net.named_parameters() if p.grad is not None}, stats
+
+
+def test_batch_mean_over_planned_pairs_makes_the_skip_a_saving_of_compute_only(tmp_path, model_path):
+    """optim.loss_mean=planned: 8 planned pairs (2 groups × 2 samples × 2 trained steps), 4 of them A = 0.
+    Skipping those 4 gives the gradient of computing all 8 (their gradient is exactly 0), divided by 8 both times."""
+    skipped, s1 = _grads_and_stats(tmp_path, model_path, "skip")
+    computed, s2 = _grads_and_stats(tmp_path, model_path, "all", skip=False)
+    assert (s1["pairs_planned"], s1["pairs_trained"]) == (8, 4)
+    assert (s2["pairs_planned"], s2["pairs_trained"]) == (8, 8)
+    assert skipped.keys() == computed.keys() and skipped
+    for n in skipped:  # one pair per micro-batch, the skipped ones add exact zeros: equal to fp32 rounding
+        torch.testing.assert_close(skipped[n], computed[n], rtol=1e-6, atol=1e-9, msg=n)
+    assert s1["loss"] == pytest.approx(s2["loss"], rel=1e-6, abs=1e-9)
+    assert s1["grad_norm"] == pytest.approx(s2["grad_norm"], rel=1e-6)
+
+
+def test_batch_mean_over_nonzero_pairs_doubles_the_step_when_half_the_pairs_are_zero(tmp_path, model_path):
+    """optim.loss_mean=nonzero (flow_grpo's train_sd3.py): the same 4 computed pairs divided by 4 instead of 8, so
+    the gradient is exactly 2× the planned mean's (8 planned / 4 non-zero)."""
+    planned, sp = _grads_and_stats(tmp_path, model_path, "planned")
+    nonzero, sn = _grads_and_stats(tmp_path, model_path, "nonzero", "optim.loss_mean=nonzero")
+    assert (sn["pairs_planned"], sn["pairs_trained"]) == (4, 4)
+    for n in planned:
+        torch.testing.assert_close(nonzero[n], 2.0 * planned[n], rtol=1e-6, atol=1e-9, msg=n)
+    assert sn["grad_norm"] == pytest.approx(2.0 * sp["grad_norm"], rel=1e-6)
+    assert sn["loss"] == pytest.approx(2.0 * sp["loss"], rel=1e-5, abs=1e-9)
+    for k in ("clipfrac", "approx_kl", "ratio_mean"):  # diagnostics: over the computed pairs in both
+        assert sn[k] == pytest.approx(sp[k], rel=1e-6, abs=1e-12), k
+    assert sp["ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # on-policy: exactly 1, not diluted by the skipped pairs
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # A short training run: run folder contents
 # ---------------------------------------------------------------------------------------------------------------

@@ -287,6 +287,15 @@ class OptimCfg:
     updates_per_epoch: int = _h(
         1, "Optimizer steps per pass (the batch is split into this many gradient-accumulation chunks).", ge=1
     )
+    loss_mean: Literal["planned", "nonzero"] = _h(
+        "planned",
+        "What an optimizer step's loss is averaged over when zero-advantage pairs are skipped (an objective without a "
+        "KL term, e.g. grpo with kl_beta 0): planned = every planned (sample, step) pair, the skipped ones counting "
+        "as the zeros they are, so skipping only saves compute and the step size stays put as groups collapse "
+        "(ADAE's regime); nonzero = only the pairs with A ≠ 0, as flow_grpo's train_sd3.py (it filters "
+        "zero-advantage samples, then averages what is left), so the step grows by N_planned / N_nonzero "
+        "(docs/ALGORITHMS.md §9.4).",
+    )
     micro_batch: int = _h(
         64, "(sample, step) pairs per forward/backward; only changes memory, not the gradient.", ge=1
     )

@@ -333,16 +333,34 @@ def plan_update(
     skip_zero_adv: bool,
     step_groups: list[int] | None = None,
     step_draw: str = "random",
-) -> tuple[int, list[list[tuple[list[tuple[int, int]], int]]]]:
+    loss_mean: str = "planned",
+) -> tuple[int, int, list[list[tuple[list[tuple[int, int]], int]]]]:
     """Which (sample, step) pairs each optimizer step trains, decided on the GLOBAL batch by every rank alike.
+
+    Args:
+        adv_global: (B_global, T) advantages of the global batch.
+        step_mask: (T,) bool, the steps that may be trained.
 
     With `step_groups` (B prompt-group ids) the `steps_per_sample` random steps are drawn once per group, so the
     members of a group train the same steps (the forward-process objectives' common random numbers). `step_draw`:
     "random" (k of the n allowed steps without replacement) or "systematic" (`systematic_steps`).
 
-    Returns (number of global pairs, per epoch a list of chunks), each chunk = (this rank's pairs as (local row, step),
-    the chunk's GLOBAL pair count — the loss normaliser). With one process this is the classic update schedule.
+    `skip_zero_adv` (the objective says an A = 0 pair has exactly zero gradient) drops those pairs from the passes.
+    `loss_mean` (optim.loss_mean) says what the loss of an optimizer step is divided by:
+    "planned": the count of every planned pair of the chunk, the zero-advantage ones included, so skipping them only
+    saves their forward/backward and never changes the step's scale (the order and the chunks are drawn over all
+    planned pairs, so the plan is the same with or without the skip); "nonzero": the count of the pairs with A ≠ 0,
+    filtered out before the chunks are drawn (flow_grpo's scripts/train_sd3.py filters zero-advantage samples, then
+    takes a mean per micro-batch over what is left), so the step grows by N_planned / N_nonzero as groups collapse.
+
+    Returns (global pairs in the loss's denominator over one epoch, global pairs computed per epoch, per epoch a list
+    of chunks), each chunk = (this rank's pairs to compute as (local row, step), the chunk's GLOBAL normaliser). A
+    chunk none of whose pairs is computed (every A = 0, no KL) is no optimizer step at all: its gradient would be
+    exactly zero, and AdamW would still move the weights by its moments. With one process this is the classic
+    update schedule.
     """
+    if loss_mean not in ("planned", "nonzero"):
+        raise ValueError(f"optim.loss_mean={loss_mean!r}; use planned or nonzero")
     if step_draw not in ("random", "systematic"):
         raise ValueError(f"sampler.train_step_draw={step_draw!r}; use random or systematic")
     B, T = adv_global.shape
@@ -361,9 +379,10 @@ def plan_update(
             pairs += [(b, steps_ok[int(i)]) for i in picked]
     else:
         pairs = [(b, j) for b in range(B) for j in steps_ok]
-    if skip_zero_adv:  # zero advantage and no KL term: no gradient, skip the forward/backward
-        nz = (adv_global != 0).tolist()
+    nz = (adv_global != 0).tolist()
+    if skip_zero_adv and loss_mean == "nonzero":  # zero advantage and no KL term: out of the plan and the mean
         pairs = [(b, j) for (b, j) in pairs if nz[b][j]]
+    computed = (lambda b, j: nz[b][j]) if skip_zero_adv else (lambda b, j: True)
     epochs = []
     for epoch in range(inner_epochs):
         order = torch.randperm(
@@ -371,16 +390,16 @@ def plan_update(
         ).tolist()
         chunks = []
         for chunk in np.array_split(np.array(order, dtype=np.int64), updates_per_epoch):
-            if len(chunk) == 0:
+            if not any(computed(*pairs[i]) for i in chunk.tolist()):  # no pair with a gradient: no optimizer step
                 continue
             mine = [
                 (pairs[i][0] - shard.start, pairs[i][1])
                 for i in chunk.tolist()
-                if shard.start <= pairs[i][0] < shard.stop
+                if shard.start <= pairs[i][0] < shard.stop and computed(*pairs[i])
             ]
             chunks.append((mine, len(chunk)))
         epochs.append(chunks)
-    return len(pairs), epochs
+    return len(pairs), sum(computed(b, j) for b, j in pairs), epochs
 
 
 # ------------------------------------------------------------------------------------------------------ FSDP

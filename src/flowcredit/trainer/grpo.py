@@ -361,18 +361,18 @@ class GRPOTrainer(CheckpointMixin):
         on_policy = oc.inner_epochs == 1 and oc.updates_per_epoch == 1
         lr = self.lr_schedule.apply(self.opt, self.iteration, self.budget.progress)  # None: constant, untouched
         crn = getattr(obj, "shares_steps_in_group", False)  # optional Objective attribute (objectives/base.py)
-        n_pairs, epochs = plan_update(
+        n_pairs, n_computed, epochs = plan_update(
             self._gathered(adv), traj.step_mask, self.shard, seed=cfg.run.seed, iteration=self.iteration + 1,
             inner_epochs=oc.inner_epochs, updates_per_epoch=oc.updates_per_epoch,
             steps_per_sample=cfg.sampler.train_steps_per_sample,
             skip_zero_adv=obj.skip_zero_advantage(on_policy, oc.kl_beta),
             step_groups=self._gathered(traj.group_ids).tolist() if crn else None,
-            step_draw=cfg.sampler.train_step_draw,
+            step_draw=cfg.sampler.train_step_draw, loss_mean=oc.loss_mean,
         )
-        out: dict[str, Any] = {"pairs_trained": n_pairs, "_nfe": 0}
+        out: dict[str, Any] = {"pairs_trained": n_computed, "pairs_planned": n_pairs, "_nfe": 0}
         if lr is not None:
             out["lr"] = lr
-        if not n_pairs:
+        if not any(epochs):
             out.update(loss=0.0, grad_norm=0.0, skipped_update=1, **dict.fromkeys(obj.sum_keys + obj.max_keys, 0.0))
             if "ratio_mean" in obj.sum_keys:
                 out["ratio_mean"] = 1.0
@@ -388,10 +388,11 @@ class GRPOTrainer(CheckpointMixin):
         for chunks in epochs:
             for mine, n_chunk in chunks:  # this rank's (row, step) pairs of one optimizer step; its global pair count
                 out["_nfe"] += self._optimizer_step(ctx, adv, mine, n_chunk, acc, out)
-        n_total = n_pairs * oc.inner_epochs
         keys = ("loss",) + tuple(obj.sum_keys)
         for k, v in zip(keys, self.dist.sum([sum(acc.get(k, [0.0])) for k in keys])):  # Σ over ranks
-            out[k] = v / n_total
+            # the loss over the pairs of its denominator (optim.loss_mean; a skipped pair's loss is exactly 0), the
+            # diagnostics (ratio, clip fraction, KL) over the pairs that were computed
+            out[k] = v / ((n_pairs if k == "loss" else n_computed) * oc.inner_epochs)
         out["grad_norm"] = float(np.mean(acc.get("grad_norm", [0.0])))
         for k in obj.max_keys:
             out[k] = self.dist.max([max(acc.get(k, [0.0]))])[0]
