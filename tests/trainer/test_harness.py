@@ -72,6 +72,36 @@ def test_run_loop_stops_before_an_iteration_the_budget_cannot_fit():
     loop.close_bar()
 
 
+def test_budget_counts_the_iterations_that_still_fit():
+    budget = TimeBudget(10.0, 0.0, lambda: 900)  # 600 s; evaluation 1.1·900/10 + 10 = 109 s
+    assert budget.iterations_left(100.0) is None  # nothing measured yet
+    for sec in (2.0, 4.0, 3.0):
+        budget.record(sec, 10, 1.0)  # 10 forward-images/s
+    assert budget.iterations_left(100.0) == 130  # ⌊(600 − 109 − 100) / 3⌋
+    assert budget.iterations_left(590.0) == 0
+    assert TimeBudget(0.0, 0.0, lambda: 0).iterations_left(1.0) is None  # no budget
+
+
+def test_progress_bar_total_follows_the_limit_that_ends_the_run_first():
+    budget = TimeBudget(10.0, 0.0, lambda: 900)
+    loop = RunLoop(_cfg(iterations=400), FakeDist(), budget, iteration=0)
+    assert loop.bar.total == 400  # before any measurement: run.iterations
+    loop.t_start = 0.0
+    stats = {"reward_mean": 0.5, "nfe_rollout": 30, "seconds": {"rollout": 3.0}}  # 10 forward-images/s
+    for _ in range(3):
+        loop.end_iteration(stats, 3.0)
+    left = budget.iterations_left()
+    assert loop.bar.n == 3 and loop.bar.total == 3 + left < 400  # the budget ends it: ETA of ≈ 3 + left iterations
+    assert loop.expected_total(20, now=100.0) == (20 + 130, "budget")  # ⌊(600 − 109 − 100) / 3⌋ = 130 more
+    assert RunLoop(_cfg(iterations=100), FakeDist(), budget, 0).expected_total(20, now=100.0) == (100, "iterations")
+    timed = RunLoop(_cfg(iterations=400, max_minutes=1.0), FakeDist(), TimeBudget(0.0, 0.0, lambda: 0), 0)
+    timed.budget.record(2.0, 10, 1.0)
+    timed.t_start = 0.0
+    assert timed.expected_total(5, now=30.0) == (5 + 15, "max_minutes")  # 30 s left at 2 s an iteration
+    for lp in (loop, timed):
+        lp.close_bar()
+
+
 def test_moving_reference_is_an_ema_of_the_policy_and_loads_back():
     from flowcredit.trainer.harness import MovingReference
 

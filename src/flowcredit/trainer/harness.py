@@ -83,6 +83,16 @@ class TimeBudget:
         elapsed = time.time() - self.t_created
         return elapsed + statistics.median(self.iter_seconds) + self.predicted_eval_seconds() > self.budget_s
 
+    def iterations_left(self, now: float | None = None) -> int | None:
+        """How many more iterations `over()` will let start: n with elapsed + n·(median iteration) + predicted
+        evaluation ≤ budget (the same arithmetic, so the count is what the loop will do if the rates hold); None
+        without a budget or before the first measurement."""
+        if self.budget_s <= 0 or not self.iter_seconds or not self.fwd_rates:
+            return None
+        elapsed = (time.time() if now is None else now) - self.t_created
+        room = self.budget_s - self.predicted_eval_seconds() - elapsed
+        return max(0, math.floor(room / max(statistics.median(self.iter_seconds), 1e-9)))
+
     def progress(self) -> float:
         """Fraction in [0, 1] of the training time used: elapsed / (budget − predicted evaluation); 0 without a
         budget or before the first measurement. The learning-rate schedule reads it (`LRSchedule`)."""
@@ -328,14 +338,34 @@ class RunLoop:
             return False
         return True
 
+    def expected_total(self, done: int, now: float | None = None) -> tuple[int, str]:
+        """(the iteration the run is expected to end at, the limit that ends it: "iterations", "budget" or
+        "max_minutes"), from the measured iteration times: the bar's total, so its ETA is that of the first limit."""
+        run = self.cfg.run
+        now = time.time() if now is None else now
+        ends = [(run.iterations, "iterations")]
+        left = self.budget.iterations_left(now)
+        if left is not None:
+            ends.append((done + left, "budget"))
+        if run.max_minutes and self.budget.iter_seconds:  # `running` lets an iteration start until max_minutes
+            room = 60 * run.max_minutes - (now - self.t_start)
+            ends.append((done + max(0, math.ceil(room / max(statistics.median(self.budget.iter_seconds), 1e-9))),
+                         "max_minutes"))
+        total, limit = min(ends, key=lambda e: e[0])
+        return max(total, done), limit
+
     def end_iteration(self, stats: dict[str, Any], iter_seconds: float) -> bool:
         """Record one finished iteration (bar, budget measurements); False when a signal asks to stop now."""
+        self.budget.record(iter_seconds, stats["nfe_rollout"], stats["seconds"].get("rollout", 0.0))
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(
-                reward=f"{stats['reward_mean']:.3f}", strict=f"{stats.get('strict_mean', float('nan')):.2f}"
-            )
-        self.budget.record(iter_seconds, stats["nfe_rollout"], stats["seconds"].get("rollout", 0.0))
+            total, limit = self.expected_total(int(self.bar.n))
+            if total != self.bar.total:
+                self.bar.total = total  # the ETA tqdm shows is then the first limit's
+            post = {"reward": f"{stats['reward_mean']:.3f}", "strict": f"{stats.get('strict_mean', float('nan')):.2f}"}
+            if limit != "iterations":
+                post["ends"] = limit
+            self.bar.set_postfix(post)
         if self.dist.any(self.signals.requested is not None):  # every rank stops at the same iteration
             self.stopped = self.signals.requested or "signal"
             return False
