@@ -86,3 +86,56 @@ def test_kl_fraction_gradient_flows_through_the_drawn_pairs():
     est, _ = _kl(ForwardProcess("rollout", kl_fraction=0.5), policy, ref)
     est.sum().backward()
     assert policy.a.grad is not None and policy.a.grad > 0  # the KL pulls a = 1.3 back toward the reference's 1.0
+
+
+def _rank_ctx(policy, ref, rows: slice):
+    """The context of a rank holding rows `rows` of the B-row batch of `_ctx` (its slice of the same rollout)."""
+    full = _ctx(policy, ref)
+    tr = full.traj
+    traj = Trajectory(latents=tr.latents[rows], log_probs=tr.log_probs[rows], timesteps=tr.timesteps,
+                      step_mask=tr.step_mask, group_ids=tr.group_ids[rows], prompts=tr.prompts[rows],
+                      metadata=tr.metadata[rows])
+    full.traj, full.row_start, full.batch_global = traj, rows.start, B
+    return full
+
+
+@pytest.mark.parametrize("crn", [False, True])
+def test_noise_and_kl_subset_do_not_depend_on_the_process_layout(crn):
+    """One process with all B rows vs two 'ranks' with B/2 rows each, over the same global step plan: every pair
+    gets the same forward noise and the same KL term (subset and weight), whichever rank computes it. The blocks of
+    the subset are the one-process micro-batches (6 pairs here), so one process draws per micro-batch as before."""
+    policy, ref = Linear(1.3), Linear(1.0)
+    g = torch.Generator().manual_seed(3)
+    plan = [(int(b), int(j)) for b, j in zip(torch.randint(0, B, (40,), generator=g), torch.randint(0, T, (40,), generator=g))]
+    plan = list(dict.fromkeys(plan))  # the step's global pairs, in the plan's order, no repeats
+    mb = 6
+
+    def terms(ctx, fp, mine, offset):
+        fp.prepare(ctx, mine)
+        fp.start_step(ctx, plan)
+        out = {}
+        for s in range(0, len(mine), mb):
+            bi = torch.tensor([p[0] for p in mine[s : s + mb]])
+            ji = torch.tensor([p[1] for p in mine[s : s + mb]])
+            x_t, t, _, eps = fp.noised(ctx, bi, ji)
+            kl, _ = fp.velocity_kl(ctx, fp.velocity(ctx, policy, x_t, t, bi), x_t, t, bi, ji)
+            for n, (b, j) in enumerate(zip(bi.tolist(), ji.tolist())):
+                out[(b + offset, j)] = (eps[n].clone(), float(kl[n]))
+        return out
+
+    one_ctx = _ctx(policy, ref)
+    one_ctx.micro_batch = mb
+    one = terms(one_ctx, ForwardProcess("fresh", crn=crn, kl_fraction=0.34), plan, 0)
+    two = {}
+    for rows in (slice(0, B // 2), slice(B // 2, B)):
+        ctx = _rank_ctx(policy, ref, rows)
+        ctx.micro_batch = mb
+        mine = [(b - rows.start, j) for b, j in plan if rows.start <= b < rows.stop]
+        two.update(terms(ctx, ForwardProcess("fresh", crn=crn, kl_fraction=0.34), mine, rows.start))
+    assert one.keys() == two.keys() == set(plan)
+    for p in plan:
+        assert torch.equal(one[p][0], two[p][0]), p
+        assert one[p][1] == pytest.approx(two[p][1], rel=1e-6, abs=1e-12), p
+    n_kl = sum(1 for v in one.values() if v[1] > 0)
+    blocks = [min(mb, len(plan) - s) for s in range(0, len(plan), mb)]
+    assert n_kl == sum(max(1, round(0.34 * n)) for n in blocks)  # k = round(f·n) per block of n

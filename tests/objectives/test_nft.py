@@ -111,7 +111,7 @@ def test_crn_shares_noise_and_steps_within_a_group():
     B, T, G = 6, 5, 3
     gids = torch.arange(B) // G
     traj = SimpleNamespace(latents=torch.zeros(B, T + 1, 1, 2, 2), num_steps=T, group_ids=gids)
-    ctx = SimpleNamespace(traj=traj, seed=0, iteration=1, on_policy=True)
+    ctx = SimpleNamespace(traj=traj, seed=0, iteration=1, on_policy=True, row_start=0, batch_global=0)
     fp = ForwardProcess("fresh", crn=True)
     fp.prepare(ctx, [])
     assert torch.equal(fp.eps[0], fp.eps[2]) and torch.equal(fp.eps[3], fp.eps[5])

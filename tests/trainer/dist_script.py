@@ -1,11 +1,12 @@
 """Launch helper of the scale and fault tests: the tiny test run, in this process or in each of N processes.
 
     python tests/trainer/dist_script.py MODEL OUT_DIR [key=value ...]                       # 1 process
+    (MODEL = a tiny model file, or ``default`` for the default job: tiny_nft on the shipped model, 4 iterations)
     python -m torch.distributed.run --standalone --nproc_per_node 2 \\
         tests/trainer/dist_script.py MODEL OUT_DIR [key=value ...]                          # 2 processes (gloo)
 
 The reward is ``image_mean_reward`` (deterministic, distinct per sample). Each rank writes
-``OUT_DIR/final_rank{r}.pt`` with its model weights after training; with ``dist.fsdp=true`` these are the FULL weights
+``OUT_DIR/init_rank{r}.pt`` with its model weights after setup and ``OUT_DIR/final_rank{r}.pt`` after training; with ``dist.fsdp=true`` these are the FULL weights
 gathered from the shards before the process group closes, and ``OUT_DIR/shards_rank{r}.pt`` holds the number of
 elements of each tensor this rank stored (its shard). ``FLOWCREDIT_FAULT_INJECT=phase:iteration`` kills
 the process at that point (flowcredit/trainer/faults.py). Exit code: 0 done, 3 stopped by a fault.
@@ -103,10 +104,26 @@ def overrides(model_path, out_dir, *extra: str) -> list[str]:
     ]
 
 
+def default_job_overrides(out_dir, *extra: str) -> list[str]:
+    """The default job (tiny_nft on the shipped model, its batch, steps and reward) shortened to 4 iterations without
+    evaluations, grids or time budget; fp32 so that 1 and N processes run the same kernels on every CPU kind."""
+    return [
+        "model.precision=fp32", "run.iterations=4", "run.threads=1", f"run.out_dir={out_dir}", "run.eval_at_end=false",
+        "run.eval_baseline=false", "run.budget_minutes=0", "run.grid_every=0", *extra,
+    ]
+
+
 def make_trainer(model_path, out_dir, *extra: str, reward=image_mean_reward):
+    """The trainer of the test run; ``model_path="default"`` is the default job (`default_job_overrides`, its own
+    shapes reward), else the tiny test run on the model at `model_path`."""
     from flowcredit.trainer.grpo import GRPOTrainer
 
-    cfg = load_config(TrainConfig, "tiny_flow_grpo", overrides(model_path, out_dir, *extra), preset_dirs=[PRESET_DIR])
+    if str(model_path) == "default":
+        cfg = load_config(TrainConfig, "tiny_nft", default_job_overrides(out_dir, *extra), preset_dirs=[PRESET_DIR])
+        reward = None
+    else:
+        cfg = load_config(TrainConfig, "tiny_flow_grpo", overrides(model_path, out_dir, *extra),
+                          preset_dirs=[PRESET_DIR])
     tr = GRPOTrainer(cfg, preset_name="test")
     tr.setup()
     if reward is not None:
@@ -121,6 +138,8 @@ def main(argv: list[str]) -> int:
     own_reward = any(o.startswith("reward.name=") for o in extra)  # else the test reward image_mean_reward
     tr = make_trainer(model_path, out_dir, *extra, reward=None if own_reward else image_mean_reward)
     rank = tr.dist.rank
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.detach().clone() for k, v in tr.model.net.state_dict().items()}, out_dir / f"init_rank{rank}.pt")
     gathered: dict[str, torch.Tensor] = {}
     if tr.dist.fsdp:  # train() closes the process group at its end: gather the full weights just before
         close = tr.dist.close

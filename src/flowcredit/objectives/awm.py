@@ -83,6 +83,9 @@ class AWMObjective:
             self.old_lp[bi, ji] = matching_log_prob(self.fp.v_old[bi, ji], eps - x0, t, self.options.weighting).cpu()
         return nfe
 
+    def start_step(self, ctx: LossContext, pairs: list[tuple[int, int]]) -> None:
+        self.fp.start_step(ctx, pairs)  # the KL subset of this optimizer step (kl_fraction < 1)
+
     def loss(self, ctx: LossContext, bi: Tensor, ji: Tensor, adv: Tensor) -> LossOut:
         x_t, t, x0, eps = self.fp.noised(ctx, bi, ji)
         v = self.fp.velocity(ctx, ctx.model, x_t, t, bi)

@@ -49,6 +49,8 @@ class LossContext:
         kl_beta: optim.kl_beta, the weight of the KL to π_ref (0 = no reference forward).
         micro_batch: optim.micro_batch, pairs per forward of a no-grad pass in `prepare`.
         ref_offload: trainer/distributed.ReferenceOffload (optim.offload_reference), used by `grpo` only.
+        row_start / batch_global: this rank's first row in the global batch and the global batch size (0 = the
+            rows are the whole batch): draws over the global batch keep 1 and N processes alike.
     """
 
     model: Any
@@ -64,6 +66,8 @@ class LossContext:
     kl_beta: float
     micro_batch: int = 64
     ref_offload: Any = None
+    row_start: int = 0
+    batch_global: int = 0
 
 
 @dataclass
@@ -89,6 +93,9 @@ class Objective(Protocol):
 
     Optional attribute: `shares_steps_in_group` (bool, default False when absent): the trainer then plans the same
     trained steps for every member of a prompt group (nft's `crn`, ALGORITHMS.md §9.1).
+    Optional method: `start_step(ctx, pairs)`, called before each optimizer step with every rank's (global row, step)
+    pairs of that step in the plan's order (`trainer/distributed.Chunk.pairs`), for draws that must not depend on the
+    process layout (the KL subset of nft / awm, `objectives/forward.ForwardProcess.start_step`).
     """
 
     #: True when the loss needs the SDE step log-probs of the rollout (the rollout must have σ > 0 on trained steps).

@@ -69,7 +69,9 @@ class ForwardProcess:
         kl_fraction: f, the fraction of pairs whose KL term is computed (`velocity_kl`); 1 = every pair.
         eps: (B, T, *latent) fresh noise of the current update (noise=fresh).
         v_old: (B, T, *latent) velocities of θ at the start of the update where pairs are trained (off-policy only).
-        kl_u: (B, T) uniform draws of this update that rank the pairs of a micro-batch for the KL (kl_fraction < 1).
+        kl_u: (B_global, T) uniform draws of this update that rank the pairs for the KL (kl_fraction < 1).
+        kl_w: (B, T) KL weights of this rank's pairs in the current optimizer step (`start_step`): n/k for a pair in
+            the KL subset of its block, 0 otherwise; None before `start_step` (each micro-batch is then its block).
     """
 
     def __init__(self, noise: NoiseMode, crn: bool = False, kl_fraction: float = 1.0):
@@ -79,6 +81,8 @@ class ForwardProcess:
         self.eps: Tensor | None = None
         self.v_old: Tensor | None = None
         self.kl_u: Tensor | None = None
+        self.kl_w: Tensor | None = None
+        self.row_start = 0
 
     @staticmethod
     def trained_steps(traj: Trajectory, timestep_fraction: float) -> Tensor:
@@ -90,8 +94,11 @@ class ForwardProcess:
         traj = ctx.traj
         lat = traj.latents
         self.eps = None
+        B, start = lat.shape[0], ctx.row_start
+        B_global = ctx.batch_global or B  # draws cover the GLOBAL batch; this rank keeps its rows
+        self.row_start = start
         if self.noise == "fresh":
-            shape = (lat.shape[0], traj.num_steps, *lat.shape[2:])
+            shape = (B_global, traj.num_steps, *lat.shape[2:])
             if self.crn:  # one (T, *latent) draw per prompt group, whatever rank or row holds its members
                 gids = traj.group_ids.tolist()
                 per_group = {
@@ -101,11 +108,12 @@ class ForwardProcess:
                 eps = torch.stack([per_group[g] for g in gids])
             else:
                 eps = torch.randn(shape, generator=noise_generator(ctx.seed, ctx.iteration), dtype=torch.float32)
+                eps = eps[start : start + B]
             self.eps = eps.to(device=lat.device, dtype=lat.dtype)
-        self.kl_u = None
+        self.kl_u, self.kl_w = None, None
         if self.kl_fraction < 1:  # seeded like the noise: the same on every rank and resume
             gen = noise_generator(ctx.seed, ctx.iteration, stream=STREAM_KL_PAIRS)
-            self.kl_u = torch.rand((lat.shape[0], traj.num_steps), generator=gen)
+            self.kl_u = torch.rand((B_global, traj.num_steps), generator=gen)
         self.v_old = None
         if ctx.on_policy or not pairs:
             return 0
@@ -146,14 +154,41 @@ class ForwardProcess:
         """π_old's velocity of the pairs: v.detach() on-policy (θ_old = θ), else the one recorded in `prepare`."""
         return v.detach() if self.v_old is None else self.v_old[bi, ji]
 
+    def _kl_block(self, u: Tensor) -> tuple[Tensor, float]:
+        """(indices of the k pairs of a block of n with the smallest draws `u` (n,), in increasing u; n/k)."""
+        n = u.shape[0]
+        k = min(n, max(1, round(self.kl_fraction * n)))
+        return torch.argsort(u)[:k], n / k
+
+    def start_step(self, ctx: LossContext, pairs: list[tuple[int, int]]) -> None:
+        """The KL subset of one optimizer step (kl_fraction < 1): its computed pairs (global row, step), in the plan's
+        order, are cut into blocks of optim.micro_batch and each block's k = max(1, round(f·n)) pairs with the
+        smallest draws get weight n/k (`kl_w`, this rank's rows). The blocks are the one-process micro-batches, so a
+        single process computes exactly what a per-micro-batch draw computes, and N processes the same subset and
+        weights, whichever rank computes a pair."""
+        if self.kl_u is None:
+            return
+        B = ctx.traj.latents.shape[0]
+        self.kl_w = torch.zeros(B, ctx.traj.num_steps)
+        mb = max(1, ctx.micro_batch)
+        for s in range(0, len(pairs), mb):
+            block = pairs[s : s + mb]
+            bg = torch.tensor([p[0] for p in block])
+            jg = torch.tensor([p[1] for p in block])
+            sel, w = self._kl_block(self.kl_u[bg, jg])
+            local = bg[sel] - self.row_start
+            keep = (local >= 0) & (local < B)
+            self.kl_w[local[keep], jg[sel][keep]] = w
+
     def velocity_kl(
         self, ctx: LossContext, v: Tensor, x_t: Tensor, t: Tensor, bi: Tensor, ji: Tensor
     ) -> tuple[Tensor, int]:
         """(n,) mean_d (v_θ − v_ref)² (DiffusionNFT's and AWM's KL in velocity space) and the NFEs it cost; zeros
         without a reference forward when optim.kl_beta = 0.
 
-        With kl_fraction f < 1 a micro-batch of n pairs computes the reference forward for k = max(1, round(f·n)) of
-        them, a uniformly random subset (the k smallest of the update's draws `kl_u`), and weights their term by n/k:
+        With kl_fraction f < 1 a block of n pairs (a one-process micro-batch, `start_step`) computes the reference
+        forward for k = max(1, round(f·n)) of them, a uniformly random subset (the k smallest of the update's draws
+        `kl_u`), and weights their term by n/k:
         every pair is in the subset with probability k/n, so this is an unbiased estimate of the same penalty (and
         its gradient) for ≈ f of the reference forwards (ALGORITHMS.md §9.4). The others' term is 0. A fixed k per
         micro-batch size keeps the reference batch's shape, and so the allocator's reuse of its buffers, constant
@@ -166,9 +201,19 @@ class ForwardProcess:
             with torch.no_grad(), ctx.reference() as ref_model:
                 v_ref = ForwardProcess.velocity(ctx, ref_model, x_t, t, bi)
             return (v.float() - v_ref.float()).pow(2).flatten(1).mean(1), n * nfe_per_sample(ctx.uncond, ctx.guidance)
-        k = min(n, max(1, round(self.kl_fraction * n)))
-        sel = torch.argsort(self.kl_u[bi.cpu(), ji.cpu()])[:k].to(v.device)
+        u = self.kl_u[bi.cpu() + self.row_start, ji.cpu()]
+        if self.kl_w is None:  # no `start_step`: this micro-batch is its own block
+            sel, w = self._kl_block(u)
+            weight = torch.full((sel.shape[0],), w)
+        else:  # the step's subset (`start_step`), in increasing u as a per-micro-batch draw orders it
+            order = torch.argsort(u)
+            wts = self.kl_w[bi.cpu(), ji.cpu()][order]
+            sel, weight = order[wts > 0], wts[wts > 0]
+        k = int(sel.shape[0])
+        if k == 0:
+            return torch.zeros(n, device=v.device), 0
+        sel = sel.to(v.device)
         with torch.no_grad(), ctx.reference() as ref_model:
             v_ref = ForwardProcess.velocity(ctx, ref_model, x_t[sel], t[sel], bi[sel.to(bi.device)])
-        d = (v[sel].float() - v_ref.float()).pow(2).flatten(1).mean(1) * (n / k)
+        d = (v[sel].float() - v_ref.float()).pow(2).flatten(1).mean(1) * weight.to(v.device)
         return torch.zeros(n, device=v.device).index_put((sel,), d), k * nfe_per_sample(ctx.uncond, ctx.guidance)

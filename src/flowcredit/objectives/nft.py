@@ -150,6 +150,9 @@ class NFTObjective:
     def prepare(self, ctx: LossContext, pairs: list[tuple[int, int]]) -> int:
         return self.fp.prepare(ctx, pairs)
 
+    def start_step(self, ctx: LossContext, pairs: list[tuple[int, int]]) -> None:
+        self.fp.start_step(ctx, pairs)  # the KL subset of this optimizer step (kl_fraction < 1)
+
     def loss(self, ctx: LossContext, bi: Tensor, ji: Tensor, adv: Tensor) -> LossOut:
         x_t, t, x0, _ = self.fp.noised(ctx, bi, ji)
         v = self.fp.velocity(ctx, ctx.model, x_t, t, bi)

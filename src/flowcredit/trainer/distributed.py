@@ -27,7 +27,7 @@ import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -58,22 +58,23 @@ def derived_generator(seed: int, stream: int, iteration: int, index: int = 0) ->
 
 
 def seed_global_rngs(seed: int, rank: int | None = None) -> None:
-    """Seed the process-global RNGs (torch CPU + CUDA, numpy's legacy ``np.random``, python's ``random``): ``run.seed``.
+    """Seed the process-global RNGs (torch CPU + CUDA, numpy's ``np.random``, python's ``random``) from run.seed.
 
-    ``rank=None`` seeds them with ``seed`` itself, identically on every rank: the trainer calls it first in ``setup()``,
-    before anything is built, so whatever draws from the global RNG while building (peft's LoRA initialisation,
-    diffusers' init of weights missing from a checkpoint, a plugin's modules) draws the same numbers in every run and
-    on every rank: every rank starts from the same weights. ``rank=r`` reseeds them with a value derived from (seed,
-    rank) once everything is built, for what draws from them later (e.g. dropout inside a plugin's network), like
-    DDP's per-rank seeds; flowcredit's own randomness never draws from them (it uses `derived_generator`, keyed by
-    global indices), so the rank offset cannot change what 1 or N processes compute.
+    ``rank=None`` seeds them with ``seed`` itself, identically on every rank: the trainer calls it first in
+    ``setup()``, before anything is built, so whatever draws from the global RNG while building (peft's LoRA
+    initialisation, diffusers' init of weights missing from a checkpoint, a plugin's modules) draws the same
+    numbers in every run and on every rank: every rank starts from the same weights. ``rank=r`` reseeds them with a
+    value derived from (seed, rank) once everything is built, for what draws from them later (e.g. dropout inside a
+    plugin's network), like DDP's per-rank seeds; flowcredit's own randomness never draws from them (it uses
+    `derived_generator`, keyed by global indices), so the rank offset cannot change what 1 or N processes compute.
     """
     import random
 
     if rank is None:
         value = int(seed)
     else:
-        value = int(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, STREAM_GLOBAL_RNG, int(rank)]).generate_state(1)[0])
+        seq = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, STREAM_GLOBAL_RNG, int(rank)])
+        value = int(seq.generate_state(1)[0])
     random.seed(value)
     np.random.seed(value & 0xFFFFFFFF)
     torch.manual_seed(value)  # also every CUDA device's generator
@@ -320,6 +321,21 @@ def systematic_steps(n: int, k: int, u: float) -> list[int]:
     return [min(n - 1, int(math.floor((u + i) * stride))) for i in range(k)]
 
 
+class Chunk(NamedTuple):
+    """One optimizer step of an update plan (`plan_update`).
+
+    Attributes:
+        mine: this rank's pairs to compute, as (local row, step), in the plan's order.
+        n_norm: the GLOBAL normaliser of the step's loss (optim.loss_mean).
+        pairs: every rank's pairs to compute, as (global row, step), in the same order (the same on every rank, so
+            a per-step draw over them, e.g. the KL subset of `objectives.forward`, does not depend on the layout).
+    """
+
+    mine: list[tuple[int, int]]
+    n_norm: int
+    pairs: list[tuple[int, int]]
+
+
 def plan_update(
     adv_global: torch.Tensor,
     step_mask: torch.Tensor,
@@ -334,7 +350,7 @@ def plan_update(
     step_groups: list[int] | None = None,
     step_draw: str = "random",
     loss_mean: str = "planned",
-) -> tuple[int, int, list[list[tuple[list[tuple[int, int]], int]]]]:
+) -> tuple[int, int, list[list[Chunk]]]:
     """Which (sample, step) pairs each optimizer step trains, decided on the GLOBAL batch by every rank alike.
 
     Args:
@@ -354,7 +370,7 @@ def plan_update(
     takes a mean per micro-batch over what is left), so the step grows by N_planned / N_nonzero as groups collapse.
 
     Returns (global pairs in the loss's denominator over one epoch, global pairs computed per epoch, per epoch a list
-    of chunks), each chunk = (this rank's pairs to compute as (local row, step), the chunk's GLOBAL normaliser). A
+    of `Chunk`s: this rank's pairs to compute as (local row, step), the chunk's GLOBAL normaliser, and every rank's). A
     chunk none of whose pairs is computed (every A = 0, no KL) is no optimizer step at all: its gradient would be
     exactly zero, and AdamW would still move the weights by its moments. With one process this is the classic
     update schedule.
@@ -392,12 +408,9 @@ def plan_update(
         for chunk in np.array_split(np.array(order, dtype=np.int64), updates_per_epoch):
             if not any(computed(*pairs[i]) for i in chunk.tolist()):  # no pair with a gradient: no optimizer step
                 continue
-            mine = [
-                (pairs[i][0] - shard.start, pairs[i][1])
-                for i in chunk.tolist()
-                if shard.start <= pairs[i][0] < shard.stop and computed(*pairs[i])
-            ]
-            chunks.append((mine, len(chunk)))
+            todo = [pairs[i] for i in chunk.tolist() if computed(*pairs[i])]
+            mine = [(b - shard.start, j) for b, j in todo if shard.start <= b < shard.stop]
+            chunks.append(Chunk(mine, len(chunk), todo))
         epochs.append(chunks)
     return len(pairs), sum(computed(b, j) for b, j in pairs), epochs
 

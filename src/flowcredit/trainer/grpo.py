@@ -314,7 +314,7 @@ class GRPOTrainer(CheckpointMixin):
         stats["reward_mean"] = float(rewards.mean())
         stats["reward_std"] = float(rewards.std(unbiased=False))
         # hacking guard: within-group diversity (mean pairwise RMS pixel distance); collapse = mode collapse
-        stats["diversity"] = float(group_diversity(images, ro.gids).mean())
+        stats["diversity"] = float(self._gathered(group_diversity(images, ro.gids)).mean())  # over every rank's groups
         for k, v in out.components.items():
             stats[f"{k}_mean"] = float(self._gathered(v.float()).mean())
         return images, rewards
@@ -381,13 +381,14 @@ class GRPOTrainer(CheckpointMixin):
             model=self.model, traj=traj, cond=cond, uncond=uncond, guidance=cfg.sampler.guidance_scale,
             params=self.params, reference=self._reference, on_policy=on_policy, seed=cfg.run.seed,
             iteration=self.iteration + 1, kl_beta=oc.kl_beta, micro_batch=oc.micro_batch, ref_offload=self.ref_offload,
+            row_start=self.shard.start, batch_global=self.shard.global_batch,
         )
         self.model.train()
-        out["_nfe"] += obj.prepare(ctx, [p for chunks in epochs for mine, _ in chunks for p in mine])
+        out["_nfe"] += obj.prepare(ctx, [p for chunks in epochs for chunk in chunks for p in chunk.mine])
         acc: dict[str, list[float]] = {}
         for chunks in epochs:
-            for mine, n_chunk in chunks:  # this rank's (row, step) pairs of one optimizer step; its global pair count
-                out["_nfe"] += self._optimizer_step(ctx, adv, mine, n_chunk, acc, out)
+            for chunk in chunks:  # one optimizer step: this rank's (row, step) pairs, the global normaliser
+                out["_nfe"] += self._optimizer_step(ctx, adv, chunk, acc, out)
         keys = ("loss",) + tuple(obj.sum_keys)
         for k, v in zip(keys, self.dist.sum([sum(acc.get(k, [0.0])) for k in keys])):  # Σ over ranks
             # the loss over the pairs of its denominator (optim.loss_mean; a skipped pair's loss is exactly 0), the
@@ -398,11 +399,15 @@ class GRPOTrainer(CheckpointMixin):
             out[k] = self.dist.max([max(acc.get(k, [0.0]))])[0]
         return out
 
-    def _optimizer_step(self, ctx: LossContext, adv, mine: list, n_chunk: int, acc: dict, out: dict) -> int:
-        """One optimizer step on this rank's pairs `mine` (loss / the global pair count `n_chunk`): accumulate over
-        micro-batches (FSDP-padded, `harness.DistPadding`), Σ gradients over ranks, clip, skip non-finite, step, EMA.
-        Appends the statistics to `acc`; returns the NFEs spent."""
+    def _optimizer_step(self, ctx: LossContext, adv, chunk, acc: dict, out: dict) -> int:
+        """One optimizer step on this rank's pairs `chunk.mine` (loss / the global normaliser `chunk.n_norm`):
+        accumulate over micro-batches (FSDP-padded, `harness.DistPadding`), Σ gradients over ranks, clip, skip
+        non-finite, step, EMA. Appends the statistics to `acc`; returns the NFEs spent."""
         obj, nfe_pair = self.objective, nfe_per_sample(ctx.uncond, ctx.guidance)
+        mine, n_chunk = chunk.mine, chunk.n_norm
+        start_step = getattr(obj, "start_step", None)  # optional hook: per-step draws over the global pairs
+        if start_step is not None:
+            start_step(ctx, chunk.pairs)
         nfe = 0
         self.opt.zero_grad(set_to_none=True)
         nonfinite_loss = False
