@@ -7,13 +7,14 @@ from __future__ import annotations
 import http.client
 import json
 import pickle
+import time
 
 import numpy as np
 import pytest
 import torch
 
 from flowcredit.rewards.registry import build_reward
-from flowcredit.rewards.remote import RemoteRewardError
+from flowcredit.rewards.remote import RemoteReward, RemoteRewardError, RewardInputError
 from flowcredit.rewards.server import RewardServer, main_serve, serve_reward
 from flowcredit.rewards.wire import SCHEMA, encode_request
 
@@ -101,10 +102,11 @@ def test_refuses_pickle_oversized_malformed_and_unauthenticated(shapes_server, g
     r = c.getresponse()
     assert r.status == 413 and "max_body_bytes" in json.loads(r.read())["error"]
     c.close()
-    # shapes without metadata → the reward raises → 500 with its reason; the server keeps serving
+    # shapes without metadata → the reward raises ValueError → 422 with its reason; the server keeps serving
     body = encode_request(x[:1], prompts[:1], [{}])
     status, resp = _post(url, body, AUTH)
-    assert status == 500 and "GenEval-schema metadata" in resp["error"]
+    assert status == 422 and "reward 'shapes' cannot score this input" in resp["error"], resp
+    assert "GenEval-schema metadata" in resp["error"]
     status, resp = _post(url, good, AUTH)
     assert status == 200 and resp["schema"] == SCHEMA and len(resp["scores"]) == 2
     # health is open and says what is served
@@ -158,9 +160,156 @@ def test_remote_load_balances_and_fails_over(gt_batch):
 
 def test_remote_4xx_is_raised_with_reason(shapes_server, gt_batch):
     x, prompts, meta = gt_batch
-    r = build_reward("remote", urls=[shapes_server.url], token="wrong")
-    with pytest.raises(RemoteRewardError, match="HTTP 401: missing or wrong bearer token"):
+    r = build_reward("remote", urls=[shapes_server.url], token="wrong", backoff=5.0)
+    with pytest.raises(RewardInputError, match="HTTP 401: missing or wrong bearer token") as ei:
         r(x[:1], prompts[:1], meta[:1])
+    assert ei.value.status == 401 and str(ei.value).startswith(f"reward service {shapes_server.url} refused the")
+    assert r.requests_per_url[shapes_server.url] == 2  # GET /health + one POST /score: not retried
+
+
+def test_unscorable_input_is_422_and_raised_at_once(gt_batch):
+    """A 20x20 image to `shapes` (the reward raises ValueError: resolution 20 is not supported) is answered 422 with
+    the reason; the client raises RewardInputError after ONE request: no backoff, no retry round, no other URL."""
+    x, prompts, meta = gt_batch
+    a = serve_reward("shapes", port=0, block=False)
+    b = serve_reward("shapes", port=0, block=False)
+    try:
+        small = torch.rand(1, 3, 20, 20, generator=torch.Generator().manual_seed(0))
+        status, resp = _post(a.url, encode_request(small, prompts[:1], meta[:1]), {"Content-Type": "application/json"})
+        assert status == 422 and resp["status"] == 422, resp
+        assert resp["error"] == ("reward 'shapes' cannot score this input: shapes world resolution 20 is not "
+                                 "supported; use one of [32, 64]")
+        assert a.requests == 1 and a.served == 0
+        r = build_reward("remote", urls=[a.url, b.url], max_retries=2, backoff=5.0)  # a retry would sleep 5 s
+        t0 = time.monotonic()
+        with pytest.raises(RewardInputError) as ei:
+            r(small, prompts[:1], meta[:1])
+        elapsed = time.monotonic() - t0
+        e = ei.value
+        assert isinstance(e, ValueError) and isinstance(e, RemoteRewardError) and e.status == 422 and e.url == a.url
+        assert str(e) == (f"reward service {a.url} refused the request: HTTP 422: reward 'shapes' cannot score this "
+                          "input: shapes world resolution 20 is not supported; use one of [32, 64]")
+        assert "\n" not in str(e) and e.reason.endswith("use one of [32, 64]")
+        assert (a.requests, b.requests) == (2, 0)  # the one above + one from the client; the other URL untouched
+        assert r.requests_per_url == {a.url: 2, b.url: 0}  # GET /health + one POST /score
+        assert elapsed < 2.5, elapsed
+        # the server keeps serving, and good input through the same client still scores
+        ref = build_reward("shapes")(x[:2], prompts[:2], meta[:2]).scores
+        assert torch.equal(r(x[:2], prompts[:2], meta[:2]).scores, ref)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_reward_fault_is_500_and_retried():
+    """Any other exception of the reward is a server fault: 500 with its reason (on one line), retried every round."""
+    calls = []
+
+    def oom(images, p, m, **kw):
+        calls.append(images.shape[0])
+        raise RuntimeError("CUDA out of memory.\nTried to allocate 2 GiB")
+
+    oom.name = "oom"
+    srv = RewardServer(oom).start()
+    try:
+        r = build_reward("remote", urls=srv.url, max_retries=2, backoff=0.01)
+        with pytest.raises(RemoteRewardError) as ei:
+            r(torch.rand(2, 3, 8, 8), ["a", "b"], [{}, {}])
+        assert not isinstance(ei.value, ValueError)
+        assert str(ei.value) == (f"no reward server could score 2 images after 3 rounds: {srv.url}: HTTP 500: reward "
+                                 "'oom' failed: RuntimeError: CUDA out of memory. Tried to allocate 2 GiB")
+        assert srv.requests == 3 and calls == [2, 2, 2]
+    finally:
+        srv.close()
+
+
+class _Silent:
+    """A TCP server that accepts connections, reads what the client sends (`lines`: the first line of each) and
+    never answers."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.lines: list[str] = []
+        self.conns: list = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(c)
+            c.settimeout(2.0)
+            try:
+                self.lines.append(c.recv(1 << 16).split(b"\r\n", 1)[0].decode())
+            except OSError:
+                self.lines.append("")
+
+    def requests(self) -> list[str]:
+        time.sleep(0.1)  # let the accept thread read the last request line
+        return [ln.split(" HTTP")[0] for ln in self.lines]
+
+    def close(self):
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_silent_server_fails_within_the_deadline():
+    """`timeout` bounds the whole call: the /health probe, the tries and the backoff. A server that accepts and never
+    answers fails a call within timeout (plus scheduling slack), not health + timeout x rounds (0.5 + 3 x 0.5 s
+    here); the probe that timed out is not repeated by the next call."""
+    timeout, slack = 0.5, 0.6
+    within = r"no reward server could score 1 images within timeout=0\.5 s \(the deadline of one call"
+    silent = _Silent()
+    try:
+        r = RemoteReward(urls=[silent.url], timeout=timeout, max_retries=2, backoff=0.05)
+        x = torch.rand(1, 3, 8, 8)
+        for call in range(2):
+            t0 = time.monotonic()
+            with pytest.raises(RemoteRewardError, match=within) as ei:
+                r(x, ["a"], [{}])
+            elapsed = time.monotonic() - t0
+            assert elapsed < timeout + slack, (call, elapsed)
+            assert not isinstance(ei.value, ValueError) and "\n" not in str(ei.value)
+            if call == 0:  # the probe took the whole deadline: no /score was sent
+                assert f"{silent.url}: not tried, no time left (its GET /health timed out)" in str(ei.value)
+            else:  # not probed again: the /score request timed out
+                assert f"{silent.url}: TimeoutError: timed out" in str(ei.value), str(ei.value)
+        assert silent.requests() == ["GET /health", "POST /score"]
+    finally:
+        silent.close()
+
+
+def test_silent_server_among_live_ones_is_tried_last():
+    """urls=[silent, live]: the first call fails within its deadline (the probe of the silent URL took it); the next
+    call (what the trainer's retry does) skips that probe and sends every chunk to the live server first."""
+    timeout = 2.0  # the live server must answer within it on a loaded machine
+    silent = _Silent()
+    live = serve_reward("imagestats", port=0, block=False, options={"stat": "brightness"})
+    try:
+        r = RemoteReward(urls=[silent.url, live.url], timeout=timeout, max_retries=1, backoff=0.01)
+        x = torch.full((2, 3, 8, 8), 0.25)
+        t0 = time.monotonic()
+        with pytest.raises(RemoteRewardError, match="within timeout=2 s"):
+            r(x, ["a", "b"], [{}, {}])
+        assert time.monotonic() - t0 < timeout + 0.6
+        t0 = time.monotonic()
+        out = r(x, ["a", "b"], [{}, {}])
+        assert time.monotonic() - t0 < timeout and torch.allclose(out.scores, torch.full((2,), 0.25), atol=1e-2)
+        assert live.requests == 2  # both chunks (one per URL) went to the live server
+        assert silent.requests() == ["GET /health"]
+    finally:
+        silent.close()
+        live.close()
 
 
 def test_main_serve_bad_arguments(capsys):

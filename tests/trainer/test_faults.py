@@ -17,7 +17,7 @@ import dist_script as ds  # noqa: E402
 
 from flowcredit.rewards.base import RewardOutput  # noqa: E402
 from flowcredit.trainer import checkpoint  # noqa: E402
-from flowcredit.trainer.faults import RetryingCall, RunStopped  # noqa: E402
+from flowcredit.trainer.faults import RetryingCall, RewardInputRejected, RunStopped, is_input_error  # noqa: E402
 
 
 def read_metrics(out: Path) -> list[dict]:
@@ -29,7 +29,8 @@ def weights(tr):
 
 
 class Scripted:
-    """image_mean_reward, with a per-call script: 'ok', 'nan' (one NaN score), 'raise', or a sleep in seconds."""
+    """image_mean_reward, with a per-call script: 'ok', 'nan' (one NaN score), 'raise' (a fault), 'bad' (an input
+    error: ValueError), or a sleep in seconds."""
 
     def __init__(self, script):
         self.script, self.calls = list(script), 0
@@ -42,6 +43,8 @@ class Scripted:
             out.scores[0] = float("nan")
         elif action == "raise":
             raise ConnectionError("reward server unreachable")
+        elif action == "bad":
+            raise ValueError("shapes world resolution 20 is not supported;\nuse one of [32, 64]")
         elif isinstance(action, float):
             time.sleep(action)
         return out
@@ -153,6 +156,128 @@ def test_retry_backoff_doubles():
     fn = Scripted(["raise", "raise", "raise"])
     out = call(fn, torch.zeros(1, 3, 2, 2), ["p"], [{}])
     assert isinstance(out, RewardOutput) and sleeps == [0.5, 1.0, 2.0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Input errors: not retried (a ValueError from the reward, a 4xx from the reward service); faults still are
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("timeout", [0, 5.0])  # inline, and in the worker thread of faults.reward_timeout
+def test_input_error_is_not_retried(timeout):
+    sleeps = []
+    call = RetryingCall(retries=3, backoff=0.5, timeout=timeout, sleep=sleeps.append)
+    fn = Scripted(["bad", "ok"])
+    with pytest.raises(RewardInputRejected) as ei:
+        call(fn, torch.zeros(1, 3, 2, 2), ["p"], [{}])
+    e = ei.value
+    assert fn.calls == 1 and sleeps == [] and call.total_retries == 0
+    assert isinstance(e, RunStopped) and isinstance(e, ValueError) and isinstance(e.__cause__, ValueError)
+    assert str(e) == (
+        "reward rejected its input, not retried (the same input fails the same way): ValueError: shapes world "
+        "resolution 20 is not supported; use one of [32, 64]. The last checkpoint is intact; fix the input (image "
+        "size, prompts, metadata) or the reward's options and resume"
+    )
+
+
+def test_is_input_error_by_type_and_status():
+    from flowcredit.rewards.remote import RemoteRewardError, RewardInputError
+    from flowcredit.rewards.wire import WireError
+
+    assert is_input_error(ValueError("bad")) and is_input_error(RewardInputError("http://h:1", 422, "bad"))
+    assert is_input_error(RemoteRewardError("refused", 401))
+    for fault in (ConnectionError("refused"), TimeoutError("timed out"), RuntimeError("CUDA out of memory"),
+                  RemoteRewardError("no reward server could score ...")):
+        assert not is_input_error(fault), fault
+    for status in (408, 429, 500, 502, 503):  # the service's state, not the input: retried
+        assert not is_input_error(WireError(status, "x")) and not is_input_error(RemoteRewardError("x", status))
+
+
+class _Picky:
+    """A reward for images of 512 px only (the trainer's tiny model renders 32 px): ValueError for the rest."""
+
+    name = "picky"
+
+    def __call__(self, images, prompts, metadata, **kw):
+        raise ValueError(f"resolution {images.shape[-1]} is not supported; use one of [512]")
+
+
+class _OOM:
+    name = "oom"
+
+    def __call__(self, images, prompts, metadata, **kw):
+        raise RuntimeError("CUDA out of memory")
+
+
+def test_reward_service_input_error_is_not_retried_but_faults_are():
+    """RetryingCall over RemoteReward: a 422 reaches the server once (counted server side); a 500 and a refused
+    connection are retried faults.reward_retries times."""
+    from flowcredit.rewards.remote import RemoteReward, RewardInputError
+    from flowcredit.rewards.server import RewardServer
+
+    x = torch.rand(2, 3, 8, 8)
+    picky, oom = RewardServer(_Picky()).start(), RewardServer(_OOM()).start()
+    try:
+        call = RetryingCall(retries=2, backoff=0.01, timeout=10.0)
+        t0 = time.monotonic()
+        with pytest.raises(RewardInputRejected) as ei:
+            call(RemoteReward(urls=picky.url, max_retries=2, backoff=5.0), x, ["a", "b"], [{}, {}])
+        assert time.monotonic() - t0 < 2.5  # no client backoff (5 s), no trainer retry
+        assert picky.requests == 1 and call.total_retries == 0 and isinstance(ei.value.__cause__, RewardInputError)
+        assert (f"RewardInputError: reward service {picky.url} refused the request: HTTP 422: reward 'picky' cannot "
+                "score this input: resolution 8 is not supported; use one of [512]") in str(ei.value)
+
+        with pytest.raises(RunStopped, match=r"reward failed 3 times .*HTTP 500: reward 'oom' failed: Runtime") as ei:
+            call(RemoteReward(urls=oom.url, max_retries=0), x, ["a", "b"], [{}, {}])
+        assert not isinstance(ei.value, RewardInputRejected) and oom.requests == 3 and call.total_retries == 2
+
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]  # closed again: connection refused
+        attempts = []
+        down = RemoteReward(urls=f"http://127.0.0.1:{port}", max_retries=0, backoff=0)
+
+        def counted(*a, **k):
+            attempts.append(1)
+            return down(*a, **k)
+
+        with pytest.raises(RunStopped, match="reward failed 3 times .*Connection refused"):
+            call(counted, x, ["a", "b"], [{}, {}])
+        assert len(attempts) == 3
+    finally:
+        picky.close()
+        oom.close()
+
+
+def test_reward_rejecting_its_input_stops_the_run_at_once_with_exit_3(tmp_path, model_path, capsys):
+    """Through the CLI: one `error:` line naming the URL and the server's reason, exit 3 (the run had started), no
+    retry warnings, one request at the server, nothing trained."""
+    from flowcredit.cli.main import main
+    from flowcredit.rewards.server import RewardServer
+
+    srv = RewardServer(_Picky()).start()
+    try:
+        out = tmp_path / "run"
+        opts = f"{{urls: ['{srv.url}'], max_retries: 2, backoff: 5.0}}"
+        args = ds.overrides(model_path, out, "reward.name=remote", f"reward.options={opts}", "faults.reward_retries=2",
+                            "faults.reward_backoff=5.0")
+        t0 = time.monotonic()
+        assert main(["train", "tiny_flow_grpo", *args]) == 3
+        elapsed = time.monotonic() - t0
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+        assert len(lines) == 1 and "Traceback" not in err and "warning: reward failed" not in err, err
+        assert lines[0].startswith(
+            "error: reward rejected its input, not retried (the same input fails the same way): RewardInputError: "
+            f"reward service {srv.url} refused the request: HTTP 422: reward 'picky' cannot score this input: "
+            "resolution 32 is not supported; use one of [512]. The last checkpoint is intact"
+        ), lines[0]
+        assert srv.requests == 1 and elapsed < 60
+        assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip()
+    finally:
+        srv.close()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -7,8 +7,11 @@ executes code chosen by whoever can reach the port).
 
 Safety defaults: binds to 127.0.0.1 unless `host` says otherwise; optional bearer token (constant-time compare);
 bodies above `max_body_bytes`, images above `max_pixels`, batches above `max_batch`, pickle, non-JSON and
-schema-violating requests get a 4xx with a one-line reason; a reward exception is a 500 with its message, and the
-server keeps serving. Handler sockets time out after `request_timeout` seconds (slow clients cannot pin threads).
+schema-violating requests get a 4xx with a one-line reason. A reward that raises ValueError cannot score that input
+(e.g. `shapes` on a 20x20 image: "resolution 20 is not supported"): 422 with its message, which the client raises
+at once as `RewardInputError`, unretried; any other reward exception is a server fault: 500 with its message, which
+the client retries (on the other URLs, then in later rounds). Either way the server keeps serving. Handler sockets
+time out after `request_timeout` seconds (slow clients cannot pin threads).
 
 Batching: requests are queued to one scoring thread (the reward is never called concurrently), which merges queued
 requests of the same image size into one reward call of at most `max_batch` images (waiting up to `batch_wait_s`
@@ -54,6 +57,10 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _one_line(s: object) -> str:
+    return " ".join(str(s).split())
+
+
 def _split(out: RewardOutput, sizes: Sequence[int]) -> list[RewardOutput]:
     res, start = [], 0
     total = sum(sizes)
@@ -75,6 +82,9 @@ class _Job:
 class RewardServer:
     """An HTTP server around one reward object. `start()` serves on a background thread; `serve_forever()` blocks.
 
+    A reward that raises ValueError is answered 422 (this input cannot be scored), any other exception 500 (a
+    server fault); `requests` counts the POST /score requests received, whatever their answer.
+
     Args:
         reward: a reward callable (or use `serve_reward(name, ...)` to build one from the registry).
         host, port: bind address (port 0 = any free port; see `.url`).
@@ -94,6 +104,8 @@ class RewardServer:
         self.batch_wait_s = float(batch_wait_s)
         self.batch_dependent = bool(getattr(reward, "batch_dependent", False))
         self.served = 0
+        self.requests = 0
+        self._count_lock = threading.Lock()
         self._q: queue.Queue[_Job | None] = queue.Queue()
         self._closing = threading.Event()
         self._httpd = ThreadingHTTPServer((host, port), self._handler_class(float(request_timeout)))
@@ -138,12 +150,24 @@ class RewardServer:
                         pending.append(nxt)
             self._score(batch)
 
+    def _call_reward(self, images, prompts, metadata) -> RewardOutput:
+        """The reward on one batch, its output checked. ValueError from the reward (it cannot score this input)
+        becomes WireError(422) with its message; a bad output (RewardError) or any other exception is left as is
+        (500)."""
+        try:
+            out = self.reward(images, prompts, metadata)
+        except WireError:
+            raise
+        except ValueError as e:
+            raise WireError(422, f"reward '{self.name}' cannot score this input: {_one_line(e)}") from e
+        return check_output(self.name, out, images.shape[0])
+
     def _score(self, batch: list[_Job]) -> None:
         if len(batch) > 1:
             try:
                 imgs = torch.cat([j.images for j in batch])
-                out = check_output(self.name, self.reward(imgs, [p for j in batch for p in j.prompts],
-                                                          [m for j in batch for m in j.metadata]), imgs.shape[0])
+                out = self._call_reward(imgs, [p for j in batch for p in j.prompts],
+                                        [m for j in batch for m in j.metadata])
                 for j, o in zip(batch, _split(out, [j.images.shape[0] for j in batch])):
                     j.future.set_result(o)
                 return
@@ -151,8 +175,7 @@ class RewardServer:
                 pass
         for j in batch:
             try:
-                out = check_output(self.name, self.reward(j.images, j.prompts, j.metadata), j.images.shape[0])
-                j.future.set_result(out)
+                j.future.set_result(self._call_reward(j.images, j.prompts, j.metadata))
             except Exception as e:  # noqa: BLE001  (not swallowed: the request's future raises it)
                 j.future.set_exception(e)
 
@@ -230,6 +253,9 @@ class RewardServer:
             def do_POST(self):
                 path = self.path.split("?", 1)[0]
                 length_h = self.headers.get("Content-Length")
+                if path == "/score":
+                    with server._count_lock:
+                        server.requests += 1
                 if path != "/score":
                     return self._error(404, f"no such endpoint {path}; POST /score", close=True)
                 if server.token is not None:
@@ -276,11 +302,12 @@ class RewardServer:
                 t0 = time.perf_counter()
                 try:
                     out = server.score(images, prompts, meta)
-                except WireError as e:
+                except WireError as e:  # 422: the reward cannot score this input (it raised ValueError)
                     return self._error(e.status, e.reason)
                 except Exception as e:  # noqa: BLE001  (the reward failed: report it, keep serving)
-                    return self._error(500, f"reward '{server.name}' failed: {type(e).__name__}: {e}")
-                server.served += len(prompts)
+                    return self._error(500, f"reward '{server.name}' failed: {type(e).__name__}: {_one_line(e)}")
+                with server._count_lock:
+                    server.served += len(prompts)
                 self._json(200, raw=encode_response(server.name, out, time.perf_counter() - t0))
 
             def do_PUT(self):

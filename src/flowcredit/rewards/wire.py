@@ -17,9 +17,12 @@ Response 200:
     {"schema": ..., "reward": "<name>", "scores": [B floats], "components": {"<name>": [B floats]},
      "info": {JSON-able extras}, "elapsed_s": float}
 
-Errors: {"error": "<reason>", "status": <code>} with 400 (not JSON, pickle, bad base64), 401 (token), 404, 405,
-411 (no Content-Length), 413 (body or image too large), 415 (not JSON content type), 422 (schema), 500 (the reward
-raised), 503 (shutting down).
+Errors: {"error": "<reason>", "status": <code>}, the reason on one line, with 400 (not JSON, pickle, bad base64),
+401 (token), 404, 405, 411 (no Content-Length), 413 (body or image too large), 415 (not JSON content type), 422
+(schema; or the reward cannot score this input: it raised ValueError, e.g. "reward 'shapes' cannot score this input:
+shapes world resolution 20 is not supported; use one of [32, 64]"), 500 (the reward failed otherwise), 503
+(shutting down). A client should treat 4xx (but 408/429) as an error in its input, raised at once, and 5xx as a
+server fault it may retry on another server.
 """
 
 from __future__ import annotations

@@ -3,8 +3,13 @@
 * NaN/Inf in rewards, advantages, loss or gradients → that optimizer update is skipped and counted
   (``nonfinite_skipped`` in metrics.jsonl), with an ALARM line on stderr; after ``faults.max_nonfinite`` consecutive
   skips the run stops with ``RunStopped`` (exit 3 from the CLI). The last checkpoint is never touched.
-* A reward call that raises or runs past ``faults.reward_timeout`` seconds is retried ``faults.reward_retries``
-  times with exponential backoff, then the run stops with ``RunStopped``.
+* A reward call that fails (raises, or runs past ``faults.reward_timeout`` seconds: the bound of ONE attempt) is
+  retried ``faults.reward_retries`` times with exponential backoff, then the run stops with ``RunStopped`` (exit 3).
+* Except an input error: a reward that raises ``ValueError`` (it cannot score this input, e.g. an unsupported
+  resolution), or a reward service that answers 4xx (``RewardInputError``, a ValueError; 408/429 excepted) is not
+  retried — the same input fails the same way — and the run stops at once with ``RewardInputRejected`` (a
+  ``RunStopped``, so exit 3 from the CLI: the run has started and its last checkpoint is intact; exit 2 is for
+  bad input found before anything is written).
 * SIGTERM / SIGINT → ``StopSignal.requested``; the trainer finishes the iteration, writes a checkpoint and returns
   (exit 0). A second signal aborts at once.
 * ``FLOWCREDIT_FAULT_INJECT=phase:iteration[,phase:iteration...]`` kills the process with SIGKILL when it reaches
@@ -31,6 +36,25 @@ ENV_INJECT = "FLOWCREDIT_FAULT_INJECT"
 class RunStopped(RuntimeError):
     """The run cannot continue (repeated non-finite updates, a reward that keeps failing); the message is one line
     saying what happened, and the last checkpoint is intact."""
+
+
+class RewardInputRejected(RunStopped, ValueError):
+    """The reward rejected its input (it raised ValueError, or its service answered 4xx): not retried. A RunStopped
+    (the CLI prints its one line and exits 3) and a ValueError (what it is about: the input); ``__cause__`` is the
+    reward's exception."""
+
+
+RETRYABLE_4XX = (408, 429)  # request timeout, too many requests: the service's state, not the input
+
+
+def is_input_error(e: BaseException) -> bool:
+    """True when retrying cannot help: ``e`` carries an HTTP ``status`` 4xx (not 408/429), or has no int status and
+    is a ValueError (the convention: a reward raises ValueError for an input it cannot score, anything else for a
+    fault). A status of 5xx is a server fault even on a ValueError."""
+    status = getattr(e, "status", None)
+    if isinstance(status, int) and not isinstance(status, bool):
+        return 400 <= status < 500 and status not in RETRYABLE_4XX
+    return isinstance(e, ValueError)
 
 
 def inject_point(phase: str, iteration: int, rank: int | None = None) -> None:
@@ -113,7 +137,12 @@ def _call_with_timeout(fn: Callable, args: tuple, kwargs: dict, timeout: float):
 
 
 class RetryingCall:
-    """Calls a reward with the retry policy of ``faults``; counts retries (``retries``)."""
+    """Calls a reward with the retry policy of ``faults``; counts retries (``total_retries``).
+
+    A fault (any exception but an input error, or no answer within ``timeout`` seconds, which bounds one attempt)
+    is retried ``retries`` times with backoff ``backoff·2^k``, then ``RunStopped``. An input error
+    (``is_input_error``: ValueError, or an HTTP 4xx status) raises ``RewardInputRejected`` at once, unretried.
+    """
 
     def __init__(self, retries: int, backoff: float, timeout: float, sleep: Callable[[float], None] = time.sleep):
         self.retries, self.backoff, self.timeout, self.sleep = retries, backoff, timeout, sleep
@@ -124,8 +153,17 @@ class RetryingCall:
         for attempt in range(self.retries + 1):
             try:
                 return _call_with_timeout(fn, args, kwargs, self.timeout)
-            except Exception as e:  # noqa: BLE001 — any failure of user code is retried; KeyboardInterrupt is not
+            except Exception as e:  # any failure of user code but an input error is retried; KeyboardInterrupt is not
                 last = e
+                if isinstance(e, RewardInputRejected):  # from a nested RetryingCall: already one line
+                    raise
+                if is_input_error(e):
+                    msg = " ".join(f"{type(e).__name__}: {e}".split())
+                    raise RewardInputRejected(
+                        f"{what} rejected its input, not retried (the same input fails the same way): {msg}. The "
+                        "last checkpoint is intact; fix the input (image size, prompts, metadata) or the reward's "
+                        "options and resume"
+                    ) from e
                 if attempt == self.retries:
                     break
                 delay = self.backoff * (2 ** attempt)
