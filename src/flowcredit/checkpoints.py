@@ -263,7 +263,7 @@ def verify(path: Path) -> str | None:
         if int(m.get("version", 0)) > FORMAT_VERSION:
             return f"written by a newer flowcredit (format version {m['version']}); upgrade flowcredit"
         files = {name: (int(m["files"][name]["bytes"]), str(m["files"][name]["sha256"])) for name in FILES}
-    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, OSError) as e:  # Overflow: version 1e999
         return f"unreadable manifest ({type(e).__name__}: {e})"
     for name, (size, digest) in files.items():
         f = path / name
@@ -329,29 +329,38 @@ def save(
     os.replace(tmp, path)
     _fsync_dir(d)
     if prefix is not None:
-        prune(d, keep, prefix)
+        prune(d, keep, prefix, upto=_number(path))
     return path
 
 
+def _number(path: Path) -> int | None:
+    """12 of ``iter000012``; None for a name without the prefix + number pattern."""
+    m = _NAME.match(Path(path).name)
+    return int(m.group(2)) if m else None
+
+
 def _checkpoints(d: Path, prefix: str) -> list[Path]:
-    """Checkpoint folders and old pickle files of ``prefix`` in ``d``, newest first (a folder before a .pt of the same
-    number, so a converted checkpoint wins over its original)."""
+    """Checkpoint folders, old pickle files and anything else named like a checkpoint (a file ``iter000012``: reported
+    as damaged, never read) of ``prefix`` in ``d``, newest first (a folder before a .pt of the same number, so a
+    converted checkpoint wins over its original)."""
     found = []
     for p in Path(d).iterdir() if Path(d).is_dir() else []:
-        m = _NAME.match(p.name) if p.is_dir() else _NAME.match(p.name[:-3]) if p.name.endswith(".pt") else None
+        m = _NAME.match(p.name[:-3]) if p.name.endswith(".pt") and p.is_file() else _NAME.match(p.name)
         if m and m.group(1) == prefix:
             found.append((int(m.group(2)), p.is_dir(), p))
     return [p for *_, p in sorted(found, key=lambda e: (e[0], e[1]), reverse=True)]
 
 
-def prune(d: Path, keep: int, prefix: str = "iter") -> None:
+def prune(d: Path, keep: int, prefix: str = "iter", upto: int | None = None) -> None:
     """Delete all but the ``keep`` newest checkpoint folders of ``prefix`` and every stray temp file/folder. Old pickle
-    files are never deleted (they may be the only copy of a run)."""
+    files are never deleted (they may be the only copy of a run). With ``upto`` (the number just written) folders
+    numbered above it are neither counted nor deleted: a resumed run got past them because they are unusable, and
+    counting them would delete the intact ones it just wrote or resumed from."""
     for t in Path(d).glob("*.tmp"):
         shutil.rmtree(t, ignore_errors=True) if t.is_dir() else t.unlink(missing_ok=True)
     if keep <= 0:
         return
-    folders = [p for p in _checkpoints(d, prefix) if p.is_dir()]
+    folders = [p for p in _checkpoints(d, prefix) if p.is_dir() and (upto is None or (_number(p) or 0) <= upto)]
     for old in folders[keep:]:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -459,7 +468,7 @@ def truncate_jsonl(path: Path, iteration: int) -> int:
     if not path.exists():
         return 0
     keep, dropped = [], 0
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():  # a line of binary junk is dropped like a torn one
         try:
             rec = json.loads(line)
             ok = int(rec["iteration"]) <= iteration

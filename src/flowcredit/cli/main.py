@@ -19,9 +19,24 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from ..config.resolve import DEFAULT_PRESET, PRESET_DIR, resolve_train_config  # noqa: F401  (re-exported)
+
+_PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning raised by flowcredit's own code as one line `warning: ...` (it names the file and what happens, e.g.
+    a damaged checkpoint skipped on resume), not Python's `path:line: UserWarning: ...` plus a source line; any other
+    warning keeps Python's format."""
+    if Path(filename).resolve().is_relative_to(_PACKAGE):
+        return f"warning: {message}\n"
+    return _python_format_warning(message, category, filename, lineno, line)
+
+
+_python_format_warning = warnings.formatwarning
 
 
 def _fail(msg: str) -> int:
@@ -471,12 +486,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
-    if args and args[0] == "serve-reward":  # its own parser: flowcredit serve-reward NAME --host --port --token ...
-        from ..rewards.server import main_serve
+    previous, warnings.formatwarning = warnings.formatwarning, _format_warning  # restored: main runs in tests too
+    try:
+        if args and args[0] == "serve-reward":  # its own parser: flowcredit serve-reward NAME --host --port ...
+            from ..rewards.server import main_serve
 
-        return main_serve(args[1:])
-    ns = build_parser().parse_args(args)
-    return int(ns.fn(ns) or 0)
+            return main_serve(args[1:])
+        ns = build_parser().parse_args(args)
+        return int(ns.fn(ns) or 0)
+    finally:
+        warnings.formatwarning = previous
 
 
 if __name__ == "__main__":

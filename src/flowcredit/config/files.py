@@ -16,12 +16,72 @@ from .keys import ConfigError, _display_path, _is_under, _item, _join
 
 BASE_KEY = "base"  # the YAML key naming the preset a file starts from
 YAML_SUFFIXES = (".yaml", ".yml")
+# `dump_yaml` (a run's config.yaml) ends the file with END_LINE and says so in its header: a file whose header says so
+# but that lacks the line was cut short (an interrupted write or copy, a full disk), and is refused rather than read
+# with the defaults for whatever was lost.
+END_LINE = "# end of the resolved config"
+END_NOTE = f"its last line is '{END_LINE}'"
 
 
-def _yaml_problem(err: yaml.YAMLError) -> str:
+# What PyYAML's SafeLoader raises, besides YAMLError, for a value it parsed but cannot build: `!!bool maybe`
+# (KeyError), `!!int abc` / `!!float x` / an impossible date such as 2001-13-45 (ValueError).
+YAML_VALUE_ERRORS: tuple[type[Exception], ...] = (ValueError, KeyError, TypeError, OverflowError, IndexError)
+
+
+def _yaml_problem(err: Exception) -> str:
+    if not isinstance(err, yaml.YAMLError):  # a value PyYAML parsed but could not build
+        return f"{type(err).__name__}: {err}"
     parts = [getattr(err, "context", None), getattr(err, "problem", None)]
     text = ", ".join(p for p in parts if p) or str(err)
     return " ".join(text.split())
+
+
+def _unbuildable(node: yaml.Node | None) -> yaml.ScalarNode | None:
+    """The first scalar of a parsed YAML tree that SafeLoader cannot build (for the line of the error)."""
+    stack = [node] if node is not None else []
+    while stack:
+        n = stack.pop(0)
+        if isinstance(n, yaml.ScalarNode):
+            try:
+                yaml.SafeLoader("").construct_object(n)
+            except (yaml.YAMLError, *YAML_VALUE_ERRORS):
+                return n
+        elif isinstance(n, yaml.SequenceNode):
+            stack.extend(n.value)
+        elif isinstance(n, yaml.MappingNode):
+            stack.extend(x for pair in n.value for x in pair)
+    return None
+
+
+def load_yaml_value(text: str, shown: str) -> Any:
+    """One YAML document (an override's value) -> data, with the checks a config file gets: a duplicate key is an
+    error, and a value SafeLoader cannot build raises ConfigError instead of PyYAML's KeyError/ValueError.
+
+    Raises:
+        yaml.YAMLError: a syntax error (the caller says where).
+        ConfigError: a duplicate key, or a value that cannot be built; the message starts with `shown`.
+    """
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        try:
+            _check_duplicate_keys(node, shown)
+        except ConfigError as e:
+            raise ConfigError(f"{shown}: the value has the key '{e.key}' twice; keep only one of them",
+                              source=shown) from None
+        try:
+            return loader.construct_document(node)
+        except YAML_VALUE_ERRORS as e:
+            bad = _unbuildable(node)
+            what = f"the value {bad.value!r} ({bad.tag.rsplit(':', 1)[-1]})" if bad is not None else "the value"
+            raise ConfigError(
+                f"{shown}: {what} cannot be read ({_yaml_problem(e)}); quote it to pass it as text",
+                source=shown,
+            ) from None
+    finally:
+        loader.dispose()
 
 
 def _check_duplicate_keys(node: yaml.Node, shown: str) -> None:
@@ -62,9 +122,23 @@ def _read_yaml_file(path: Path) -> tuple[Any, dict[str, str]]:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"config file '{shown}' not found; check the path", source=shown) from None
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"config file '{shown}' is not UTF-8 text (byte 0x{e.object[e.start]:02x} at {shown}:{line}); save it as "
+            "UTF-8",
+            source=f"{shown}:{line}",
+        ) from None
     except OSError as e:
         raise ConfigError(f"cannot read config file '{shown}' ({e.strerror}); check the path", source=shown) from None
+    if END_NOTE in text.split("\n", 1)[0] and text.rstrip().rsplit("\n", 1)[-1] != END_LINE:
+        raise ConfigError(
+            f"config file '{shown}' is cut short: it was written by flowcredit, whose config files end with the line "
+            f"'{END_LINE}', and this one does not (an interrupted write or copy, or a full disk); restore it",
+            source=shown,
+        )
     loader = yaml.SafeLoader(text)
+    node = None
     try:
         node = loader.get_single_node()
         if node is not None:
@@ -77,6 +151,16 @@ def _read_yaml_file(path: Path) -> tuple[Any, dict[str, str]]:
         raise ConfigError(
             f"YAML syntax error at {where}: {_yaml_problem(e)}; fix the syntax there (indentation, ':' after keys, "
             "matching quotes and brackets)",
+            source=where,
+        ) from None
+    except ConfigError:  # a duplicate key (a ValueError too)
+        raise
+    except YAML_VALUE_ERRORS as e:  # parsed, but a value cannot be built (`!!bool maybe`, 2001-13-45)
+        bad = _unbuildable(node)
+        where = f"{shown}:{bad.start_mark.line + 1}" if bad is not None else shown
+        what = f"the value {bad.value!r} ({bad.tag.rsplit(':', 1)[-1]})" if bad is not None else "a value"
+        raise ConfigError(
+            f"YAML error at {where}: {what} cannot be read ({_yaml_problem(e)}); quote it to make it text, or fix it",
             source=where,
         ) from None
 

@@ -61,7 +61,16 @@ import yaml
 
 from .annotations import _default, _has_default, _init_fields, _is_union, _type_hints, _type_name
 from .build import from_dict
-from .files import _looks_like_path, _preset_files, _unknown_preset, list_presets, load_yaml
+from .files import (
+    END_LINE,
+    END_NOTE,
+    YAML_VALUE_ERRORS,
+    _looks_like_path,
+    _preset_files,
+    _unknown_preset,
+    list_presets,
+    load_yaml,
+)
 from .keys import ConfigError, _is_under, _join
 from .keys import _display_path as _display
 from .overrides import _apply_overrides, apply_overrides
@@ -166,7 +175,7 @@ def _name_shorthand(cls: type, overrides: list[str]) -> list[str]:
         if tp is not None and dataclasses.is_dataclass(tp) and "name" in {f.name for f in dataclasses.fields(tp)}:
             try:
                 value = yaml.safe_load(raw) if raw.strip() else None
-            except yaml.YAMLError:
+            except (yaml.YAMLError, *YAML_VALUE_ERRORS):
                 value = None  # apply_overrides reports it
             if isinstance(value, str):
                 o = f"{key.strip()}.name={raw}"
@@ -188,7 +197,7 @@ def _drop_replaced_options(data: dict[str, Any], overrides: list[str]) -> dict[s
             continue
         try:
             new = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
+        except (yaml.YAMLError, *YAML_VALUE_ERRORS):
             continue  # apply_overrides reports it
         if not node["options"] or new == node.get("name"):
             continue
@@ -225,8 +234,9 @@ def dump_yaml(obj: Any, path: str | os.PathLike | None = None) -> str:
     The text loads back to an equal object with ``load_config(type(obj), path)``.
     """
     name = type(obj).__name__
-    header = f"# Fully resolved {name} written by flowcredit.config.dump_yaml; load with load_config({name}, path)\n"
-    text = header + yaml.safe_dump(to_dict(obj), sort_keys=False, allow_unicode=True, width=119)
+    header = (f"# Fully resolved {name} written by flowcredit.config.dump_yaml; load with load_config({name}, path); "
+              f"{END_NOTE}\n")
+    text = header + yaml.safe_dump(to_dict(obj), sort_keys=False, allow_unicode=True, width=119) + END_LINE + "\n"
     if path is not None:
         Path(path).write_text(text, encoding="utf-8")
     return text

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from .annotations import _describe_value
-from .files import _yaml_problem
+from .files import _yaml_problem, load_yaml_value
 from .keys import ConfigError, _is_under, _item, _join
 
 _SEGMENT = re.compile(r"([^.\[\]]+)((?:\[\d+\])*)")
@@ -46,8 +46,8 @@ def _apply_overrides(data: Mapping, overrides: Iterable[str]) -> tuple[dict, dic
         key = key.strip()
         where = f"override '{text}'"
         parts = _parse_override_key(key, text)
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+        try:  # as strictly as a file: a duplicate key or a value PyYAML cannot build is a ConfigError too
+            value = load_yaml_value(raw, where) if raw.strip() else None
         except yaml.YAMLError as e:
             raise ConfigError(
                 f"{where}: the value is not valid YAML ({_yaml_problem(e)}); check its brackets and quotes",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .keys import ConfigError
 from .load import load_config
 from .schema import TrainConfig
 
@@ -42,6 +43,13 @@ def resolve_train_config(args: list[str]) -> tuple[TrainConfig, str]:
         if not (run_dir / "config.yaml").is_file():
             raise FileNotFoundError(
                 f"resume={run_dir}: no config.yaml there; give a run folder written by `flowcredit train`"
+            )
+        lines = (run_dir / "config.yaml").read_bytes().splitlines()
+        if not any(ln.strip() and not ln.lstrip().startswith(b"#") for ln in lines):  # empty, or cut in its header
+            raise ConfigError(
+                f"resume={run_dir}: {run_dir / 'config.yaml'} has no keys (empty or cut short); restore it, or use a "
+                "new run folder to start from scratch",
+                source=str(run_dir / "config.yaml"),
             )
         overrides = [o for o in overrides if not o.startswith("resume=")] + [f"run.out_dir={run_dir}"]
         # migrate=True: a run started by an older flowcredit resumes (its old flat option keys are moved)

@@ -328,7 +328,12 @@ class OptimCfg:
 @dataclass
 class RunCfg:
     out_dir: str | None = _h(None, "Run folder; null = runs/<preset>-<timestamp>.")
-    seed: int = _h(0, "Global seed: prompt order, noise, update order, and the torch / numpy / random global RNGs, seeded before anything is built (LoRA init included; every rank alike).", ge=0)
+    seed: int = _h(
+        0,
+        "Global seed: prompt order, noise, update order, and the torch / numpy / random global RNGs, seeded before "
+        "anything is built (LoRA init included; every rank alike).",
+        ge=0,
+    )
     iterations: int = _h(100, "Training iterations (rollout → reward → credit → update).", ge=0)
     max_minutes: float = _h(0.0, "Stop training after this many minutes (0 = no limit); evaluation still runs.", ge=0)
     budget_minutes: float = _h(

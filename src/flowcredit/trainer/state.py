@@ -63,6 +63,8 @@ class CheckpointMixin:
         from .loggers import build_loggers
 
         ckpt = self.latest_checkpoint()  # before anything is written
+        if ckpt is None:
+            self.refuse_lost_checkpoints()
         if self.dist.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "checkpoints").mkdir(exist_ok=True)
@@ -152,6 +154,20 @@ class CheckpointMixin:
         except checkpoint.CheckpointError as e:
             raise TrainingError(f"cannot resume {self.out}: {e}") from None
 
+    def refuse_lost_checkpoints(self) -> None:
+        """A run folder without a checkpoint starts from iteration 0, which is right only if none was written yet: if
+        metrics.jsonl logged an iteration after the first checkpoint's, the checkpoints were lost, and starting over
+        would silently redo (and overwrite the record of) the whole run. TrainingError (one line) then."""
+        every, total = self.cfg.run.checkpoint_every, self.cfg.run.iterations
+        first = min(every, total) if every else total  # the first checkpoint is written at the end of this iteration
+        logged = last_logged_iteration(self.out / "metrics.jsonl")
+        if logged > first:
+            raise TrainingError(
+                f"cannot resume {self.out}: metrics.jsonl logged iterations up to {logged}, but there is no "
+                f"checkpoint in {self.out / 'checkpoints'} (the first one is written after iteration {first}); "
+                "restore the checkpoints, or use a new run folder to start from scratch"
+            )
+
     def load_checkpoint(self, path: Path) -> None:
         """Restore every state from checkpoint folder `path` (verified; never unpickles)."""
         try:
@@ -182,6 +198,22 @@ class CheckpointMixin:
 # ---------------------------------------------------------------------------------------------------------------
 # The pieces of the state: every RNG, and model / optimizer / EMA states in the unsharded layout (FSDP gathered)
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def last_logged_iteration(path: Path) -> int:
+    """The largest `iteration` of the records in a metrics.jsonl (0 when there is none; unreadable lines are
+    skipped)."""
+    import json
+
+    last = 0
+    if not path.is_file():
+        return last
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            last = max(last, int(json.loads(line)["iteration"]))
+        except (ValueError, KeyError, TypeError, OverflowError):
+            continue
+    return last
 
 
 def rng_states() -> dict[str, Any]:
