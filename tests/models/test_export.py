@@ -89,6 +89,27 @@ def test_checkpoint_export_equals_live_export(trained, tmp_path):
     assert all(k.startswith("transformer.") and (".lora_A." in k or ".lora_B." in k) for k in a)
 
 
+def test_cli_export_of_a_real_model_run_loads_into_its_pipeline(trained, tmp_path, capsys):
+    """`flowcredit export RUN OUT` on an SD3 / FLUX LoRA run: the same file as `export_checkpoint` (the EMA-less
+    weights here), and the family's stock pipeline loads it and reproduces flowcredit's ODE samples of it."""
+    from safetensors.torch import load_file
+
+    from flowcredit.cli.main import main
+    from flowcredit.models.export import LORA_WEIGHTS, export_checkpoint
+
+    kind, tr, run = trained
+    assert main(["export", str(run), str(tmp_path / "cli")]) == 0
+    assert f"exported to {tmp_path / 'cli'}" in capsys.readouterr().out
+    a = load_file(str(tmp_path / "cli" / LORA_WEIGHTS))
+    b = load_file(str(export_checkpoint(run, tmp_path / "api") / LORA_WEIGHTS))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    x0 = torch.randn(2, *tr.model.latent_shape, generator=torch.Generator().manual_seed(5))
+    ours = sample_ode(tr.model, PROMPTS, tr.model.time_grid(T), 1.0, init_noise=x0)
+    pipe = td.load_pipeline(kind, td.tiny_model_dir(kind))
+    pipe.load_lora_weights(str(tmp_path / "cli"))
+    assert (ours - _pipe_samples(pipe, tr.model, x0, 1.0)).abs().max() <= 1e-6
+
+
 def test_full_finetune_export_round_trip(tmp_path):
     from diffusers import StableDiffusion3Pipeline
 
