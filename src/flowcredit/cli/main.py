@@ -9,6 +9,8 @@ serve-reward.
     flowcredit train --help-config                    # every key, its type, default and help
     flowcredit train resume=runs/x [key=value ...]    # continue a run from its newest valid checkpoint
     flowcredit eval --checkpoint runs/x --cfg 4.5     # GenEval layout + results.jsonl + summary.json + grid.png
+    flowcredit sample "a cat" --checkpoint runs/sd3-run [--model-path DIR]      # any family: the run's model + weights
+    flowcredit eval model.name=sd3 model.path=DIR --reward pickscore --prompts p.txt  # a base model, a reward
     flowcredit convert --trust runs/x/checkpoints/iter000010.pt   # an old pickle checkpoint → safetensors + JSON
 
 Bad input prints one line `error: ...` naming the field, where it came from and the fix, and exits with 2.
@@ -50,22 +52,22 @@ def _os_error(e: OSError) -> str:
     return what + (f": '{e.filename}'" if e.filename else "")
 
 
-def _device_problem(device: str) -> str | None:
-    """One line when `run.device` names a device this machine's torch cannot use, else None."""
+def _device_problem(device: str, key: str = "run.device") -> str | None:
+    """One line when `run.device` (or `key`) names a device this machine's torch cannot use, else None."""
     import torch
 
     try:
         dev = torch.device(device)
     except RuntimeError as e:
-        return f"run.device={device!r} is not a torch device ({e}); use cpu or cuda[:N]"
+        return f"{key}={device!r} is not a torch device ({e}); use cpu or cuda[:N]"
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             return (
-                f"run.device={device}, but torch {torch.__version__} sees no CUDA device here; use run.device=cpu "
+                f"{key}={device}, but torch {torch.__version__} sees no CUDA device here; use {key}=cpu "
                 "or a CUDA build of torch on a machine with a GPU"
             )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            return f"run.device={device}, but this machine has {torch.cuda.device_count()} CUDA device(s)"
+            return f"{key}={device}, but this machine has {torch.cuda.device_count()} CUDA device(s)"
     return None
 
 
@@ -157,50 +159,165 @@ def load_any_model(path: str | None, precision: str = "fp32"):
     return _load(path, precision)
 
 
+def _inference_overrides(ns, sections: tuple[str, ...]) -> list[str] | str:
+    """The `key=value` arguments of sample/eval, each of one of `sections`; else the one-line error text."""
+    out = []
+    for o in ns.overrides:
+        key = o.split("=", 1)[0].strip()
+        if "=" not in o:
+            quote = 'quote a prompt with spaces (flowcredit sample "a red circle" ...), '
+            hint = quote if ns.command == "sample" else ""
+            return f"unexpected argument '{o}'; {hint}give a run as --checkpoint DIR and settings as key=value"
+        if key.split(".", 1)[0] not in sections:
+            allowed = " and ".join(f"{s}.*" for s in sections)
+            return (
+                f"'{o}': flowcredit {ns.command} takes {allowed} overrides only (e.g. model.name=sd3 model.path=DIR), "
+                "the way flowcredit train reads them; the other sections are training settings"
+            )
+        out.append(o)
+    return out
+
+
+def _load_for_inference(ns, overrides: list[str]):
+    """(ModelSource, settings) of sample/eval: the model to load and the sampler settings the flags leave unset.
+
+    Unset flags of an sd3/flux run take the run's own evaluation settings (run.eval_steps, run.eval_guidance,
+    run.eval_prompts, the reward section); everything else the flags' fixed defaults (40 steps, CFG 1.0,
+    shapes:test)."""
+    from ..models.loading import resolve_model_source
+
+    src = resolve_model_source(
+        ns.checkpoint, overrides, precision=ns.precision, use_ema=not ns.no_ema, model_path=ns.model_path
+    )
+    rc = src.config.run if src.from_run else None
+    settings = {
+        "steps": ns.steps if ns.steps is not None else (rc.eval_steps if rc else 40),
+        "guidance": ns.cfg if ns.cfg is not None else (rc.eval_guidance if rc else 1.0),
+    }
+    if ns.device:
+        bad = _device_problem(ns.device, "--device")
+        if bad:
+            raise ValueError(bad)
+    return src, settings
+
+
+def _loaded_line(src, settings) -> str:
+    grid = "its scheduler's time grid" if src.family != "tiny" else "the shifted uniform grid"
+    line = f"model: {src.describe()}; {settings['steps']} ODE steps on {grid}, CFG {settings['guidance']}"
+    if src.family == "flux":
+        emb = src.config.model.options.get("embedded_guidance")
+        line += f", embedded guidance {3.5 if emb is None else emb}"
+    return line
+
+
+def _scores_shapes(reward) -> bool:
+    """The reward is (or mixes in) the shapes verifier."""
+    from ..rewards.shapes import ShapesReward
+
+    parts = [reward, *(fn for fn, _ in getattr(reward, "parts", None) or [])]  # rewards.mix: (reward, weight)
+    return any(isinstance(r, ShapesReward) for r in parts)
+
+
 def cmd_eval(ns) -> int:
     import torch
 
+    from ..config import ConfigError
     from ..eval.evaluate import evaluate
+    from ..rewards.registry import reward_from_config
     from ..shapes.geneval import format_summary
     from ..shapes.prompts import PromptFileError, load_prompts
 
+    overrides = _inference_overrides(ns, ("model", "reward"))
+    if isinstance(overrides, str):
+        return _fail(overrides)
+    if ns.reward:
+        overrides.append(f"reward.name={ns.reward}")
+    reward_given = any(o.split("=", 1)[0].strip().split(".", 1)[0] == "reward" for o in overrides)
     try:
-        prompts = load_prompts(ns.prompts)
-        model = load_any_model(ns.checkpoint, ns.precision)
-    except (PromptFileError, FileNotFoundError, ValueError) as e:
+        if ns.prompts is not None:  # a bad prompt file is reported before anything is loaded
+            prompts = load_prompts(ns.prompts)
+        src, settings = _load_for_inference(ns, overrides)
+        if ns.prompts is None:
+            prompts = load_prompts(src.config.run.eval_prompts if src.from_run else "shapes:test")
+        if src.family != "tiny" and not src.from_run and not reward_given:
+            from ..rewards.registry import names
+
+            raise ValueError(
+                f"flowcredit eval of model.name={src.family} without a run to take the reward from needs --reward "
+                f"NAME (registered: {', '.join(names())}; or a 'module:Class' path; options as "
+                "reward.options.KEY=VALUE); the default shapes verifier scores only the tiny model's shapes world"
+            )
+        reward = reward_from_config(src.config.reward)
+        check = getattr(reward, "check_prompts", None)  # a reward may require prompt metadata (shapes)
+        if callable(check):
+            check(prompts.metadata, prompts.source)
+        model = src.load(ns.device)
+        side = getattr(model, "resolution", None)  # sd3/flux: the image side in pixels
+        if side is not None and _scores_shapes(reward):
+            from ..shapes.vocab import WORLDS
+
+            if side not in WORLDS:
+                raise ValueError(
+                    f"reward 'shapes' (the shapes verifier) scores {' or '.join(map(str, WORLDS))}-px images of the "
+                    f"shapes world; this {src.family} model draws {side}-px images: give --reward NAME"
+                )
+    except (ConfigError, PromptFileError, FileNotFoundError, ValueError) as e:
         return _fail(str(e))
     if ns.threads:
         torch.set_num_threads(ns.threads)
-    out = ns.out or f"eval_out/{Path(ns.checkpoint or 'shipped').stem}-cfg{ns.cfg}-s{ns.steps}"
-    s = evaluate(
-        model,
-        prompts,
-        steps=ns.steps,
-        guidance=ns.cfg,
-        seed=ns.seed,
-        out_dir=out,
-        limit=ns.limit,
-        batch_size=ns.batch_size,
-    )
+    if src.family != "tiny":
+        print(_loaded_line(src, settings))
+    stem = Path(ns.checkpoint).stem if ns.checkpoint else ("shipped" if src.family == "tiny" else f"{src.family}-base")
+    out = ns.out or f"eval_out/{stem}-cfg{settings['guidance']}-s{settings['steps']}"
+    reward_name = src.config.reward.name
+    batch = ns.batch_size if ns.batch_size is not None else (64 if src.family == "tiny" else 8)
+    try:
+        s = evaluate(
+            model,
+            prompts,
+            reward=reward,
+            steps=settings["steps"],
+            guidance=settings["guidance"],
+            seed=ns.seed,
+            out_dir=out,
+            limit=ns.limit,
+            batch_size=batch,
+            info={"reward": reward_name, "model": src.describe()},
+        )
+    except ValueError as e:  # a reward that refuses its input (RewardInputError, metadata it needs)
+        return _fail(f"evaluating with reward '{reward_name}': {e}")
     if "geneval" in s:
         print(format_summary(s["geneval"], "correct"))
         print(f"Strict overall (exact counts, no extras): {s['strict_overall']:.5f}")
-    print(f"Mean reward: {s['reward_mean']:.5f}")
+    print(f"Mean reward ({reward_name}): {s['reward_mean']:.5f}")
     print(f"written to {out}")
     return 0
 
 
 def cmd_sample(ns) -> int:
+    from ..config import ConfigError
     from ..eval.evaluate import generate, make_grid, save_png
     from ..types import to_uint8_hwc
 
+    overrides = _inference_overrides(ns, ("model",))
+    if isinstance(overrides, str):
+        return _fail(overrides)
     try:
-        model = load_any_model(ns.checkpoint, ns.precision)
-    except (FileNotFoundError, ValueError) as e:
+        src, settings = _load_for_inference(ns, overrides)
+        model = src.load(ns.device)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
         return _fail(str(e))
-    imgs = generate(model, [ns.prompt] * ns.n, steps=ns.steps, guidance=ns.cfg, seed=ns.seed)
+    if src.family != "tiny":
+        print(_loaded_line(src, settings))
+    imgs = generate(model, [ns.prompt] * ns.n, steps=settings["steps"], guidance=settings["guidance"], seed=ns.seed)
     u8 = to_uint8_hwc(imgs).numpy()
-    save_png(make_grid(u8, ncol=min(8, ns.n)), ns.out, scale=4)
+    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+    save_png(make_grid(u8, ncol=min(8, ns.n)), ns.out, scale=4 if u8.shape[1] <= 64 else 1)
+    if ns.save_tensors:
+        from safetensors.torch import save_file
+
+        Path(ns.save_tensors).parent.mkdir(parents=True, exist_ok=True)
+        save_file({"images": imgs.detach().float().cpu().contiguous()}, ns.save_tensors)
     print(f"wrote {ns.n} samples of '{ns.prompt}' to {ns.out}")
     return 0
 
@@ -369,39 +486,93 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.set_defaults(fn=cmd_train)
 
-    def model_args(p):
+    def model_args(p, reward: bool = False):
+        p.add_argument(
+            "overrides",
+            nargs="*",
+            metavar="model.KEY=VALUE",
+            help="model settings the way `flowcredit train` takes them, e.g. model.name=sd3 model.path=DIR (no "
+            "--checkpoint: that base model), or overrides of an sd3/flux run's own model section"
+            + ("; reward.KEY=VALUE likewise (reward.options.model=DIR)" if reward else ""),
+        )
         p.add_argument(
             "--checkpoint",
             default=None,
-            help="tiny model .safetensors, trainer checkpoint folder (checkpoints/iterNNNNNN) or run folder "
-            "(default: shipped model)",
+            help="a run folder or checkpoints/iterNNNNNN folder of any model family (an sd3/flux run is rebuilt from "
+            "its config.yaml's model section, base model at its model.path, and its LoRA or full weights), or a tiny "
+            "model .safetensors (default: the model of the model.* overrides, else the shipped tiny model)",
         )
-        p.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale")
-        p.add_argument("--steps", type=int, default=40, help="ODE steps")
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument(
+            "--cfg",
+            type=float,
+            default=None,
+            help="classifier-free guidance scale (FLUX: true CFG; its distilled guidance is "
+            "model.options.embedded_guidance); default: an sd3/flux run's run.eval_guidance, else 1.0",
+        )
+        p.add_argument(
+            "--steps",
+            type=int,
+            default=None,
+            help="ODE steps on the model's own time grid (sd3/flux: its scheduler's sigmas); default: an sd3/flux "
+            "run's run.eval_steps, else 40",
+        )
+        p.add_argument("--seed", type=int, default=0, help="noise seed: the noise of line i depends on (seed, i) only")
         p.add_argument(
             "--precision",
             choices=["auto", "fp32", "bf16"],
-            default="fp32",
-            help="autocast dtype of the model; auto = bf16 only where the hardware runs it fast",
+            default=None,
+            help="autocast dtype of the model; auto = bf16 only where the hardware runs it fast; default: an sd3/flux "
+            "run's model.precision, else fp32",
+        )
+        p.add_argument("--no-ema", action="store_true", help="the raw weights even if the run kept an EMA")
+        p.add_argument("--model-path", default=None, help="base model folder if it moved since training (sd3/flux)")
+        p.add_argument(
+            "--device", default=None, help="torch device (default: cpu for the tiny model, the GPU if any for "
+            "sd3/flux)"
         )
 
-    e = sub.add_parser("eval", help="score a model on a prompt file or split (GenEval layout + summary)")
-    model_args(e)
+    e = sub.add_parser(
+        "eval",
+        help="score a model on a prompt file or split (GenEval layout + summary)",
+        description="Sample every prompt line once (fixed per-line noise, ODE) and score it. What it scores: "
+        "--reward NAME / reward.* overrides if given; else an sd3/flux run's own reward (its config.yaml reward "
+        "section: what the run trained and evaluated with); else the shapes verifier (GenEval correct/strict "
+        "summary; meaningful for the tiny model on shapes prompts only, so an sd3/flux model without a run needs "
+        "--reward). Writes <out>/NNNNN/samples/0000.png, results.jsonl, summary.json (settings: reward, model) and "
+        "grid.png.",
+    )
+    model_args(e, reward=True)
     e.add_argument(
-        "--prompts", default="shapes:test", help="shapes:test | shapes:test_unique | shapes:train | file.jsonl"
+        "--prompts",
+        default=None,
+        help="shapes:test | shapes:test_unique | shapes:train | file.jsonl | file.txt (plain prompts need a reward "
+        "that reads no metadata); default: an sd3/flux run's run.eval_prompts, else shapes:test",
+    )
+    e.add_argument(
+        "--reward",
+        default=None,
+        help="a registered reward (flowcredit.rewards.registry: shapes, pickscore, clipscore, imagereward, remote, "
+        "...) or 'module:Class'; options as reward.options.KEY=VALUE; default: see above",
     )
     e.add_argument("--out", default=None, help="output folder")
     e.add_argument("--limit", type=int, default=None, help="only the first N prompt lines")
-    e.add_argument("--batch-size", type=int, default=64)
+    e.add_argument(
+        "--batch-size", type=int, default=None, help="images per sampling batch (default: 64 tiny, 8 sd3/flux)"
+    )
     e.add_argument("--threads", type=int, default=0)
     e.set_defaults(fn=cmd_eval)
 
-    s = sub.add_parser("sample", help="draw images for one prompt")
+    s = sub.add_parser("sample", help="draw images for one prompt (any model family)")
     s.add_argument("prompt")
     model_args(s)
     s.add_argument("--n", type=int, default=8)
-    s.add_argument("--out", default="samples.png")
+    s.add_argument("--out", default="samples.png", help="the image grid (PNG)")
+    s.add_argument(
+        "--save-tensors",
+        default=None,
+        metavar="FILE",
+        help="also write the decoded images, float32 (N, 3, H, W) in [0, 1], as 'images' in a .safetensors file",
+    )
     s.set_defaults(fn=cmd_sample)
 
     p = sub.add_parser("prompts", help="write the shapes benchmark prompt files (GenEval + flow_grpo layouts)")
@@ -492,7 +663,12 @@ def main(argv: list[str] | None = None) -> int:
             from ..rewards.server import main_serve
 
             return main_serve(args[1:])
-        ns = build_parser().parse_args(args)
+        parser = build_parser()
+        ns, extra = parser.parse_known_args(args)
+        if extra:  # sample/eval: key=value after an option (argparse leaves a later positional group unparsed)
+            if getattr(ns, "overrides", None) is None or any(a.startswith("-") for a in extra):
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            ns.overrides = [*ns.overrides, *extra]
         return int(ns.fn(ns) or 0)
     finally:
         warnings.formatwarning = previous

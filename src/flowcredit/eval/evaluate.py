@@ -188,6 +188,7 @@ def evaluate(
     out_dir: str | Path | None = None,
     write_samples: bool = True,
     limit: int | None = None,
+    info: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Sample every prompt line once and score it.
 
@@ -198,6 +199,7 @@ def evaluate(
         steps, guidance, seed, shift: ODE sampler settings (Flow-GRPO evaluates with 40 ODE steps).
         out_dir: if given, write GenEval's folder layout, results.jsonl, summary.json and grid.png there.
         limit: evaluate only the first `limit` lines.
+        info: more entries for the summary's "settings" (`flowcredit eval`: the reward's name and the model).
 
     Returns:
         summary dict: reward mean, per-tag reward, GenEval summary for `correct` and `strict`, settings.
@@ -237,7 +239,8 @@ def evaluate(
     summary: dict[str, Any] = {
         "num_images": n,
         "reward_mean": float(score_t.mean()),
-        "settings": {"steps": steps, "guidance": guidance, "seed": seed, "shift": shift, "prompts": prompt_set.source},
+        "settings": {"steps": steps, "guidance": guidance, "seed": seed, "shift": shift, "prompts": prompt_set.source,
+                     **(info or {})},
     }
     tags: dict[str, list[float]] = {}
     for row in rows:

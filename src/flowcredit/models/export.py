@@ -129,35 +129,20 @@ def export_checkpoint(
         transformer_only: see `export`.
     """
     from .. import checkpoints as ckpt
-    from ..config.schema import ModelCfg
     from .factory import build_model
+    from .loading import load_trained_weights, model_cfg_from_checkpoint
 
     ck = ckpt.resolve(checkpoint)
     st = ckpt.load(ck)  # safetensors + JSON, verified; never unpickles
-    mc = dict(st["model_config"])
-    if mc.get("name") not in ("sd3", "flux"):
-        raise ValueError(f"checkpoint '{ck}' is of model.name={mc.get('name')!r}; export handles sd3 and flux")
-    options = dict(mc.get("options") or {})
-    for k, v in mc.items():  # a checkpoint written before model.options: its flat family options
-        moved = ModelCfg.MOVED_KEYS.get(k)
-        if moved is not None and v is not None and k not in options:
-            options[moved.removeprefix("options.")] = v
-    if mc.get("name") == "sd3":
-        options.pop("embedded_guidance", None)  # a FLUX-only field the old flat ModelCfg carried for every family
-    fields = {k: v for k, v in mc.items() if k in ModelCfg.__dataclass_fields__ and k != "options"}
-    cfg = ModelCfg(**fields, options=options)
+    name = dict(st["model_config"]).get("name")
+    if name not in ("sd3", "flux"):
+        raise ValueError(f"checkpoint '{ck}' is of model.name={name!r}; export handles sd3 and flux")
+    cfg = model_cfg_from_checkpoint(st)
     if model_path is not None:
         cfg.path = model_path
     cfg.precision = "fp32"  # export the trained fp32 weights as they are
     model = build_model(cfg, device)
-    state = dict(st["model"])
-    if use_ema and st.get("ema"):
-        state.update(st["ema"])
-    try:
-        model.net.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[0]
-        raise ValueError(f"checkpoint '{ck}' does not match the rebuilt {cfg.name} model ({first})") from None
+    load_trained_weights(model, st, ck, cfg.name, use_ema)
     return export(
         model,
         out_dir,

@@ -1,19 +1,34 @@
-"""Loading a tiny model for evaluation, sampling, export and reports from any artefact a run leaves behind.
+"""Loading a model for evaluation, sampling, export and reports from any artefact a run leaves behind.
+
+    load_any_model("runs/tiny-run")                        # the tiny model of any tiny artefact (EMA if kept)
+    src = resolve_model_source("runs/sd3-run", ["model.path=models/sd3.5-m"])   # any family: config first ...
+    model = src.load("cuda")                               # ... then build + the trained weights (EMA if kept)
+
+`resolve_model_source` is what `flowcredit sample` and `flowcredit eval` load: an sd3/flux run is rebuilt from its
+config.yaml's `model` section (parsed by the config loader, so `model.*` overrides get the same one-line errors as
+`flowcredit train`) and its checkpoint's LoRA or full weights; `flowcredit export` shares `model_cfg_from_checkpoint`
+and `load_trained_weights`.
 
 Owned by `models` so that `cli`, `compare` and `eval` load weights the same way without importing the CLI.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .precision import resolve_precision
 from .tiny import TinyDiTConfig, TinyFlowModel
 
+if TYPE_CHECKING:
+    from ..config.schema import ModelCfg
 
-def load_any_model(path: str | None, precision: str = "fp32") -> TinyFlowModel:
+
+def load_any_model(path: str | None, precision: str = "fp32", use_ema: bool = True) -> TinyFlowModel:
     """A tiny model from: None (shipped), a .safetensors file, a trainer checkpoint folder, or a run folder.
 
     A run folder means its newest intact `checkpoints/iterNNNNNN/` (a damaged newer one is skipped with a warning). A
@@ -23,6 +38,7 @@ def load_any_model(path: str | None, precision: str = "fp32") -> TinyFlowModel:
     Args:
         path: None, a `.safetensors` file (with its JSON), a checkpoint folder, or a run folder.
         precision: "auto" | "fp32" | "bf16": the model's autocast dtype (`models/precision.py`).
+        use_ema: a checkpoint's EMA weights when the run kept them (False: its raw weights).
 
     Raises:
         FileNotFoundError: the checkpoint, or any checkpoint in the run folder, does not exist.
@@ -44,7 +60,7 @@ def load_any_model(path: str | None, precision: str = "fp32") -> TinyFlowModel:
                 if st.get("lora"):
                     model.add_lora(**st["lora"])
                 state = dict(st["model"])
-                if st.get("ema"):
+                if use_ema and st.get("ema"):
                     state.update(st["ema"])  # evaluate the EMA weights when the run kept them
                 model.net.load_state_dict(state)
             except (KeyError, TypeError, RuntimeError) as e:
@@ -70,3 +86,260 @@ def load_any_model(path: str | None, precision: str = "fp32") -> TinyFlowModel:
                 ) from None
     model.compute_dtype = torch.bfloat16 if resolve_precision(precision) == "bf16" else torch.float32
     return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every registered family: what `flowcredit sample` / `flowcredit eval` load (tiny, sd3, flux)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def model_cfg_from_checkpoint(st: dict[str, Any]) -> ModelCfg:
+    """The ModelCfg an sd3/flux trainer checkpoint recorded (`model_config`), with a checkpoint written before
+    `model.options` read as well (its flat family options moved into `options`)."""
+    from ..config.schema import ModelCfg
+
+    mc = dict(st["model_config"])
+    options = dict(mc.get("options") or {})
+    for k, v in mc.items():  # a checkpoint written before model.options: its flat family options
+        moved = ModelCfg.MOVED_KEYS.get(k)
+        if moved is not None and v is not None and k not in options:
+            options[moved.removeprefix("options.")] = v
+    if mc.get("name") == "sd3":
+        options.pop("embedded_guidance", None)  # a FLUX-only field the old flat ModelCfg carried for every family
+    fields = {k: v for k, v in mc.items() if k in ModelCfg.__dataclass_fields__ and k != "options"}
+    return ModelCfg(**fields, options=options)
+
+
+def load_trained_weights(model, st: dict[str, Any], ck: Path, name: str, use_ema: bool = True) -> bool:
+    """Load a trainer checkpoint's weights into the rebuilt sd3/flux `model` (strict); the EMA weights over them when
+    the run kept an EMA and `use_ema`. Returns whether the EMA weights were loaded.
+
+    Raises:
+        ValueError: (one line) the checkpoint's tensors do not fit the rebuilt model.
+    """
+    state = dict(st["model"])
+    ema = bool(use_ema and st.get("ema"))
+    if ema:
+        state.update(st["ema"])
+    try:
+        model.net.load_state_dict(state, strict=True)
+    except RuntimeError as e:  # torch: "Error(s) in loading state_dict for X:" then one line per problem
+        lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+        what = lines[0] if len(lines) < 2 else f"{lines[0]} {lines[1]}"
+        what = what if len(what) <= 300 else what[:297] + "..."
+        raise ValueError(
+            f"checkpoint '{ck}' does not match the rebuilt {name} model ({what}); the model settings that shape the "
+            "weights (model.trainable, lora_rank, lora_targets) must be the run's"
+        ) from None
+    return ema
+
+
+def run_family(config_yaml: Path) -> str:
+    """`model.name` of a run's config.yaml ("tiny" when it names none), read without building the config.
+
+    Raises:
+        ValueError: the file is not a readable YAML config.
+    """
+    import yaml
+
+    try:
+        doc = yaml.safe_load(config_yaml.read_text())
+        model = (doc.get("model") or {}) if isinstance(doc, dict) else {}
+        return str(model.get("name", "tiny"))
+    except (yaml.YAMLError, AttributeError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"'{config_yaml}' is not a readable run config ({type(e).__name__}); fix or remove it"
+        ) from None
+
+
+def _section(override: str) -> str:
+    return override.split("=", 1)[0].strip().split(".", 1)[0]
+
+
+@dataclass
+class ModelSource:
+    """What `resolve_model_source` found: which model to build and from what; `load()` builds it.
+
+    Attributes:
+        family: model.name (tiny, sd3, flux).
+        config: the TrainConfig it comes from: an sd3/flux run's config.yaml with the overrides applied, else the
+            defaults with the overrides (its `reward` section is what `flowcredit eval` scores with).
+        from_run: `config` is a run's own config.yaml (its run.eval_* settings and reward are the run's).
+        run: the run folder, if any.
+        checkpoint: the checkpoint folder whose weights `load` puts in (sd3/flux); for tiny, the user's path.
+        use_ema: load the EMA weights when the run kept them.
+        legacy_tiny: load through `load_any_model` (every tiny-model artefact, as before), with this precision.
+    """
+
+    family: str
+    config: Any
+    from_run: bool = False
+    run: Path | None = None
+    checkpoint: Path | None = None
+    use_ema: bool = True
+    legacy_tiny: str | None = None
+    path_from_run: bool = False
+    ema_loaded: bool = False
+    _state: dict[str, Any] | None = field(default=None, repr=False)
+
+    def describe(self) -> str:
+        """One line: the family, base model and weights, e.g. "sd3 (base models/sd3.5-m) + runs/x/checkpoints/
+        iter000100 (EMA weights)"."""
+        if self.family == "tiny" and self.legacy_tiny is not None:
+            return f"tiny model {self.checkpoint or '(shipped)'}"
+        base = f"{self.family} (base {self.config.model.path})"
+        if self.checkpoint is None:
+            return base
+        return f"{base} + {self.checkpoint} ({'EMA' if self.ema_loaded else 'raw'} weights)"
+
+    def load(self, device: str | None = None):
+        """Build the model in eval mode: the tiny model as `load_any_model` does; sd3/flux with `build_model` from
+        `config.model`, then the checkpoint's weights (EMA if kept and `use_ema`).
+
+        Args:
+            device: where to build it; None = cpu for tiny, the GPU (when there is one) for sd3/flux.
+
+        Raises:
+            FileNotFoundError / ValueError: one line (a missing base model names model.path and --model-path).
+        """
+        from .. import checkpoints as ckpt
+        from .diffusers_common import ModelLayoutError
+        from .factory import build_model
+
+        if self.legacy_tiny is not None:
+            tiny = load_any_model(None if self.checkpoint is None else str(self.checkpoint), self.legacy_tiny,
+                                  self.use_ema)
+            return tiny.to(device) if device else tiny
+        if device is None:
+            device = "cuda" if self.family != "tiny" and torch.cuda.is_available() else "cpu"
+        mc = self.config.model
+        try:
+            model = build_model(mc, device)
+        except ModelLayoutError as e:
+            if self.path_from_run:
+                trained = f"run '{self.run}'" if self.run is not None else f"checkpoint '{self.checkpoint}'"
+                raise ModelLayoutError(
+                    f"the base model of {trained} is not there: {e}; if it moved since training, pass "
+                    "--model-path DIR (or model.path=DIR)"
+                ) from None
+            raise
+        except OSError as e:  # a hub id or a folder diffusers cannot read
+            if self.family == "tiny":  # model.path=FILE.safetensors: its own one-line FileNotFoundError
+                raise
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ValueError(
+                f"cannot load model.path='{mc.path}' ({type(e).__name__}: {first}); give a local diffusers folder "
+                "with --model-path DIR or model.path=DIR"
+            ) from None
+        if self.checkpoint is not None:
+            st = self._state if self._state is not None else ckpt.load(self.checkpoint)
+            self._state = None  # the model holds the weights now
+            self.ema_loaded = load_trained_weights(model, st, self.checkpoint, mc.name, self.use_ema)
+        return model.eval()
+
+
+def resolve_model_source(
+    checkpoint: str | None,
+    overrides: Sequence[str] = (),
+    *,
+    precision: str | None = None,
+    use_ema: bool = True,
+    model_path: str | None = None,
+) -> ModelSource:
+    """Which model `flowcredit sample` / `flowcredit eval` load, with its config (cheap: nothing is built yet).
+
+    * No checkpoint: the model of `model.*` overrides on the defaults (`model.name=sd3 model.path=DIR`: the base
+      model); none at all: the shipped tiny model.
+    * A tiny-model artefact (a .safetensors file, a tiny run or checkpoint folder): `load_any_model`, as before.
+    * An sd3/flux run folder or its checkpoints/iterNNNNNN folder: the run's config.yaml (read with the config
+      loader, `model.*`/`reward.*` overrides on top) rebuilds the model; the checkpoint's weights go in. A checkpoint
+      folder outside a run uses the ModelCfg the checkpoint recorded (as `flowcredit export` does).
+
+    Args:
+        checkpoint: --checkpoint (None: no trained weights).
+        overrides: `key=value` strings of the sections the caller accepts (model.*, reward.*), parsed by
+            `config.load_config` (unknown keys: the same one-line ConfigError as `flowcredit train`).
+        precision: --precision; None = the run's model.precision (sd3/flux), a model.precision override, else fp32.
+        use_ema: the EMA weights when the run kept them.
+        model_path: --model-path: the base model folder if it moved since training (= a model.path override).
+
+    Raises:
+        ConfigError, ValueError, FileNotFoundError: one line naming the field and the fix.
+    """
+    from .. import checkpoints as ckpt
+    from ..config.load import load_config
+    from ..config.resolve import PRESET_DIR
+    from ..config.schema import TrainConfig
+    from . import factory  # noqa: F401  (registers the model families: model.* keys are checked against them)
+
+    overrides = list(overrides)
+    model_keys = [o.split("=", 1)[0].strip() for o in overrides if _section(o) == "model"]
+    if precision is not None:
+        from .precision import PRECISIONS
+
+        if precision not in PRECISIONS:
+            raise ValueError(f"--precision {precision!r}; valid: {', '.join(PRECISIONS)}")
+
+    def finish(src: ModelSource) -> ModelSource:
+        mc = src.config.model
+        if model_path is not None:
+            mc.path = model_path
+            src.path_from_run = False
+        if precision is not None:
+            mc.precision = precision
+        elif not src.from_run and "model.precision" not in model_keys:
+            mc.precision = "fp32"  # --precision's default outside a run
+        return src
+
+    if checkpoint is None:
+        cfg = load_config(TrainConfig, None, overrides)
+        if cfg.model.name == "tiny" and not model_keys and model_path is None:  # the shipped model
+            return ModelSource("tiny", cfg, legacy_tiny=precision or "fp32", use_ema=use_ema)
+        return finish(ModelSource(cfg.model.name, cfg, use_ema=use_ema))
+
+    p = Path(checkpoint)
+    state = None
+    ck: Path | None = None
+    run: Path | None = None
+    config_yaml: Path | None = None
+    family = "tiny"  # a .safetensors file, a pickle .pt (refused with the convert command) or nothing there
+    if p.is_dir() and ((p / "checkpoints").is_dir() or ckpt.is_checkpoint_dir(p)):
+        if (p / "checkpoints").is_dir():
+            run = p
+        elif p.parent.name == "checkpoints":
+            run = p.parent.parent
+        if run is not None and (run / "config.yaml").is_file():
+            config_yaml = run / "config.yaml"
+            family = run_family(config_yaml)
+        else:  # a checkpoint folder on its own: the model it recorded
+            ck = ckpt.resolve(p)
+            state = ckpt.load(ck)
+            mc = state.get("model_config")
+            family = str(mc.get("name", "tiny")) if isinstance(mc, dict) else "tiny"
+    if family == "tiny":
+        if model_keys or model_path is not None:
+            given = ", ".join([*model_keys, *(["--model-path"] if model_path is not None else [])])
+            raise ValueError(
+                f"{given}: a tiny-model checkpoint carries its own model; model.* overrides and --model-path apply to "
+                "sd3/flux runs and to the base model without --checkpoint (a tiny weights file: model.path=FILE)"
+            )
+        cfg = load_config(TrainConfig, None, overrides)
+        return ModelSource("tiny", cfg, checkpoint=ck or p, use_ema=use_ema, legacy_tiny=precision or "fp32")
+    if config_yaml is not None:
+        # migrate=True: a run written by an older flowcredit (its old flat option keys are moved, with a note)
+        cfg = load_config(TrainConfig, str(config_yaml), overrides, preset_dirs=[PRESET_DIR], migrate=True)
+        src = ModelSource(family, cfg, from_run=True, run=run, checkpoint=ckpt.resolve(p), use_ema=use_ema,
+                          path_from_run="model.path" not in model_keys)
+        return finish(src)
+    assert state is not None and ck is not None
+    import json
+
+    from ..config.load import to_dict
+
+    recorded = json.dumps(to_dict(model_cfg_from_checkpoint(state)))  # JSON is YAML: `model={...}` sets the section
+    cfg = load_config(TrainConfig, None, [f"model={recorded}", *overrides])
+    src = ModelSource(
+        family, cfg, run=run, checkpoint=ck, use_ema=use_ema, path_from_run="model.path" not in model_keys
+    )
+    src._state = state
+    return finish(src)
