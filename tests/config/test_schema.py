@@ -84,3 +84,46 @@ def test_defaults_round_trip(tmp_path):
     path = tmp_path / "d.yaml"
     dump_yaml(cfg, path)
     assert load_config(TrainConfig, path) == cfg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The official recipes' options (DiffusionNFT's soft old policy, time draw and adv_mode; AWM's weighting, advantage
+# rescale and EMA-reference ramp): accepted where they mean something, refused in one line where they do not
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_official_recipe_options_are_accepted():
+    import flowcredit.objectives  # noqa: F401  (registers the objectives, so their options are checked on load)
+
+    cfg = _load("tiny_nft", "objective.options.old_policy=soft", "objective.options.adv_mode=one_only",
+                "objective.options.old_decay_rate=0.0075", "objective.options.old_decay_max=0.999",
+                "objective.options.old_decay_flat=75", "sampler.train_step_draw=nft",
+                "sampler.train_steps_per_sample=0")
+    assert cfg.objective.options["old_policy"] == "soft" and cfg.sampler.train_step_draw == "nft"
+    cfg = _load("tiny_awm", "objective.options.weighting=ghuber", "objective.options.ghuber_power=0.25",
+                "objective.options.adv_clip_max=5", "objective.options.advantage_max=1", "optim.kl_reference=ema",
+                "optim.kl_reference_decay=0.3", "optim.kl_reference_decay_rate=0.001")
+    assert cfg.optim.kl_reference_decay_rate == 0.001
+    _load("tiny_awm", "sampler.train_step_draw=nft", "sampler.train_steps_per_sample=0")  # awm: a forward objective
+
+
+@pytest.mark.parametrize("preset, overrides, match", [
+    ("tiny_nft", ["objective.options.old_policy=ema"], "objective.options.old_policy"),
+    ("tiny_nft", ["objective.options.old_decay_max=1.0"], "old_decay_max"),
+    ("tiny_nft", ["objective.options.old_decay_flat=-1"], "old_decay_flat"),
+    ("tiny_nft", ["objective.options.adv_mode=ones_only"], "adv_mode"),
+    ("tiny_nft", ["sampler.train_step_draw=nft"], "train_step_draw=nft.*train_steps_per_sample=3"),
+    ("tiny_flow_grpo", ["sampler.train_step_draw=nft", "sampler.train_steps_per_sample=0"],
+     "train_step_draw=nft.*objective.name=grpo"),
+    ("tiny_awm", ["objective.options.weighting=gauss"], "weighting"),
+    ("tiny_awm", ["objective.options.ghuber_power=0"], "ghuber_power"),
+    ("tiny_awm", ["objective.options.advantage_max=1"], "advantage_max=1.*adv_clip_max=0"),
+    ("tiny_awm", ["optim.kl_reference_decay_rate=0.001"], "kl_reference_decay_rate=0.001.*kl_reference=initial"),
+    ("tiny_awm", ["optim.kl_reference=ema", "optim.kl_reference_decay_rate=-1"], "kl_reference_decay_rate"),
+])
+def test_official_recipe_options_are_refused_in_one_line(preset, overrides, match):
+    import flowcredit.objectives  # noqa: F401  (registers the objectives, so their options are checked on load)
+
+    with pytest.raises(ConfigError, match=match) as ei:
+        _load(preset, *overrides)
+    assert "\n" not in str(ei.value)

@@ -126,3 +126,95 @@ def test_crn_shares_noise_and_steps_within_a_group():
     steps = {b: sorted(j for bb, j in plan[0][0][0] if bb == b) for b in range(B)}
     assert steps[0] == steps[1] == steps[2] and steps[3] == steps[4] == steps[5]
     assert all(len(s) == 2 for s in steps.values())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hold-out checks against DiffusionNFT's own code: NVlabs/DiffusionNFT scripts/train_nft_sd3.py @ 24af555, its
+# advantage modes and its policy loss transcribed here from that file (not from flowcredit), on fixed tensors
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _official_r(adv, adv_clip_max, adv_mode):
+    """`advantages_clip` → `r` of train_nft_sd3.py (the `if hasattr(config.train, "adv_mode")` block)."""
+    advantages_clip = torch.clamp(adv, -adv_clip_max, adv_clip_max)
+    if adv_mode == "positive_only":
+        advantages_clip = torch.clamp(advantages_clip, 0, adv_clip_max)
+    elif adv_mode == "negative_only":
+        advantages_clip = torch.clamp(advantages_clip, -adv_clip_max, 0)
+    elif adv_mode == "one_only":
+        advantages_clip = torch.where(
+            advantages_clip > 0, torch.ones_like(advantages_clip), torch.zeros_like(advantages_clip)
+        )
+    elif adv_mode == "binary":
+        advantages_clip = torch.sign(advantages_clip)
+    normalized_advantages_clip = (advantages_clip / adv_clip_max) / 2.0 + 0.5
+    return torch.clamp(normalized_advantages_clip, 0, 1)
+
+
+def _official_policy_loss(forward_prediction, old_prediction, xt, t, x0, r, beta, adv_clip_max):
+    """Per-pair `ori_policy_loss * adv_clip_max` of train_nft_sd3.py (before its batch mean), adaptive weights."""
+    t_expanded = t.view(-1, *([1] * (len(x0.shape) - 1)))
+    positive_prediction = beta * forward_prediction + (1 - beta) * old_prediction.detach()
+    implicit_negative_prediction = (1.0 + beta) * old_prediction.detach() - beta * forward_prediction
+    x0_prediction = xt - t_expanded * positive_prediction
+    with torch.no_grad():
+        weight_factor = (
+            torch.abs(x0_prediction.double() - x0.double()).mean(dim=tuple(range(1, x0.ndim)), keepdim=True)
+            .clip(min=0.00001)
+        )
+    positive_loss = ((x0_prediction - x0) ** 2 / weight_factor).mean(dim=tuple(range(1, x0.ndim)))
+    negative_x0_prediction = xt - t_expanded * implicit_negative_prediction
+    with torch.no_grad():
+        negative_weight_factor = (
+            torch.abs(negative_x0_prediction.double() - x0.double()).mean(dim=tuple(range(1, x0.ndim)), keepdim=True)
+            .clip(min=0.00001)
+        )
+    negative_loss = ((negative_x0_prediction - x0) ** 2 / negative_weight_factor).mean(dim=tuple(range(1, x0.ndim)))
+    ori_policy_loss = r * positive_loss / beta + (1.0 - r) * negative_loss / beta
+    return ori_policy_loss * adv_clip_max
+
+
+def test_adv_modes_match_diffusionnft_and_one_only_by_hand():
+    from flowcredit.objectives.nft import nft_optimality
+
+    adv = torch.tensor([-7.0, -2.5, -1e-3, 0.0, 1e-3, 2.5, 7.0])
+    for mode in ("all", "positive_only", "negative_only", "one_only", "binary"):
+        for m in (5.0, 2.0):
+            assert torch.equal(nft_optimality(adv, m, mode), _official_r(adv, m, mode)), (mode, m)
+    # one_only: A' = 1 where A > 0, else 0, so r = 1/2 + 1/(2m) = 0.6 (m = 5) or exactly 1/2 (A ≤ 0)
+    assert nft_optimality(adv, 5.0, "one_only").tolist() == pytest.approx([0.5, 0.5, 0.5, 0.5, 0.6, 0.6, 0.6])
+    assert nft_optimality(adv, 2.0, "one_only").tolist() == pytest.approx([0.5, 0.5, 0.5, 0.5, 0.75, 0.75, 0.75])
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.1])
+@pytest.mark.parametrize("mode", ["all", "one_only"])
+def test_loss_and_gradient_match_diffusionnft_off_policy(beta, mode):
+    # v_θ ≠ v_old (the soft-updated old adapter of old_policy=soft): loss and gradient equal the official code's
+    x0, x_t, t, v_old = _pair()
+    adv = torch.tensor([2.5, -1.0, 0.7])
+    v = (v_old + 0.2 * torch.randn(v_old.shape, generator=torch.Generator().manual_seed(7))).requires_grad_(True)
+    v_ref = v.detach().clone().requires_grad_(True)
+    loss, st = nft_pair_loss(v, v_old, x_t, t, x0, adv, NFTOptions(beta=beta, adv_mode=mode))
+    expect = _official_policy_loss(v_ref, v_old, x_t, t, x0, _official_r(adv, 5.0, mode), beta, 5.0)
+    torch.testing.assert_close(loss, expect.float(), rtol=1e-5, atol=1e-6)
+    loss.sum().backward()
+    expect.sum().backward()
+    torch.testing.assert_close(v.grad, v_ref.grad.float(), rtol=1e-4, atol=1e-7)
+    assert torch.equal(st["r"], _official_r(adv, 5.0, mode))
+
+
+def test_soft_old_policy_option_disables_the_zero_advantage_skip():
+    # with π_old ≠ θ an A = 0 pair (r = 1/2) has a gradient m/2·[∇ℓ(v⁺) − ∇ℓ(v⁻)] ≠ 0, so nothing may be skipped
+    from flowcredit.objectives import build_objective
+
+    current = build_objective("nft", {})
+    soft = build_objective("nft", {"old_policy": "soft", "old_decay_rate": 0.0075, "old_decay_max": 0.999,
+                                   "old_decay_flat": 75})
+    assert current.skip_zero_advantage(True, 0.0) and current.old_policy_decay is None
+    assert not soft.skip_zero_advantage(True, 0.0)
+    assert soft.old_policy_decay == (0.0075, 0.999, 75)  # DiffusionNFT's decay_type 2 (OCR)
+    x0, x_t, t, v_old = _pair()
+    v = (v_old + 0.1).requires_grad_(True)
+    loss, _ = nft_pair_loss(v, v_old, x_t, t, x0, torch.zeros(3), NFTOptions())
+    loss.sum().backward()
+    assert v.grad.abs().max() > 1e-3

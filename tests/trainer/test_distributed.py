@@ -280,7 +280,78 @@ def test_update_plan_systematic_draw_spreads_each_samples_steps():
     assert sorted(j for b, j in pairs if b == 0) == sorted(j for b, j in pairs if b == 1)
 
 
+def test_nft_step_draw_window_is_int_t_fraction_of_all_t_steps():
+    from flowcredit.trainer.distributed import step_draw_window
+
+    assert step_draw_window("nft", 10, 0.99, 0) == (1.0, 9)  # DiffusionNFT: num_train_timesteps = int(10·0.99)
+    assert step_draw_window("nft", 10, 0.5, 0) == (1.0, 5)
+    assert step_draw_window("random", 10, 0.99, 3) == (0.99, 3)  # the other draws: the sampler's settings
+    assert step_draw_window("systematic", 10, 0.99, 0) == (0.99, 0)
+
+
+def test_nft_step_draw_is_diffusionnfts_permutation_of_every_grid_time():
+    """Hold-out against NVlabs/DiffusionNFT scripts/train_nft_sd3.py @ 24af555 (transcribed from that file): per
+    sample `perms_time = torch.randperm(num_timesteps)` over all T = `sample.num_steps` grid times, and the loop
+    `for j_idx in range(num_train_timesteps)` trains the first int(T·timestep_fraction) of the permuted times. With the
+    plan's seeded generator of the row the plan trains exactly those steps."""
+    from flowcredit.trainer.distributed import STREAM_STEP_SUBSET, derived_generator, step_draw_window
+
+    B, T, seed, it = 6, 10, 3, 7
+    fraction, k = step_draw_window("nft", T, 0.99, 0)
+    mask = torch.arange(T) < int(T * fraction)  # the forward-process objectives' trained_steps at fraction 1
+    assert bool(mask.all())
+    kw = dict(seed=seed, iteration=it, inner_epochs=1, updates_per_epoch=1, steps_per_sample=k, skip_zero_adv=False)
+    _, _, plan = plan_update(torch.ones(B, T), mask, Shard(B, 1, 0, 1), step_draw="nft", **kw)
+    pairs = plan[0][0].pairs
+    for b in range(B):
+        num_timesteps, num_train_timesteps = T, int(T * 0.99)
+        perms_time = torch.randperm(num_timesteps, generator=derived_generator(seed, STREAM_STEP_SUBSET, it, b))
+        official = {int(perms_time[j_idx]) for j_idx in range(num_train_timesteps)}
+        assert {j for bb, j in pairs if bb == b} == official and len(official) == 9
+
+
+def test_nft_step_draw_inclusion_probabilities():
+    """Every grid time, t_{T−1} included, is trained with probability int(T·f)/T = 0.9 (T = 10, f = 0.99), any two
+    together with 9/10·8/9 = 0.8. Exact for the construction (the first k of a uniform permutation; enumerated over
+    all 5! permutations at n = 5, k = 4: 4/5 and 3/5), and the plan's draws at T = 10 agree within 4.5 σ."""
+    import itertools
+
+    n, k = 5, 4
+    perms = list(itertools.permutations(range(n)))
+    single = [sum(j in p[:k] for p in perms) / len(perms) for j in range(n)]
+    both = sum(0 in p[:k] and n - 1 in p[:k] for p in perms) / len(perms)
+    assert single == [k / n] * n and both == pytest.approx(k * (k - 1) / (n * (n - 1)))  # 0.8 and 0.6
+    B, T = 3000, 10
+    kw = dict(seed=0, iteration=1, inner_epochs=1, updates_per_epoch=1, steps_per_sample=9, skip_zero_adv=False)
+    _, _, plan = plan_update(torch.ones(B, T), torch.ones(T, dtype=torch.bool), Shard(B, 1, 0, 1), step_draw="nft",
+                             **kw)
+    steps = torch.zeros(B, T)
+    for b, j in plan[0][0].pairs:
+        steps[b, j] += 1
+    assert bool((steps.sum(1) == 9).all()) and float(steps.max()) == 1.0  # 9 distinct times per sample
+    sd = math.sqrt(0.9 * 0.1 / B)
+    assert (steps.mean(0) - 0.9).abs().max() < 4.5 * sd, steps.mean(0)  # t_9 (j = 9) included: 0.9
+    both = (steps[:, 0] * steps[:, T - 1]).mean()
+    assert abs(float(both) - 0.8) < 4.5 * math.sqrt(0.8 * 0.2 / B)
+
+
+def test_nft_step_draw_does_not_depend_on_the_process_layout():
+    B, T = 8, 10
+    adv = torch.randn(B, T, generator=torch.Generator().manual_seed(0))
+    kw = dict(seed=5, iteration=2, inner_epochs=2, updates_per_epoch=2, steps_per_sample=9, skip_zero_adv=False,
+              step_draw="nft")
+    mask = torch.ones(T, dtype=torch.bool)
+    for groups in (None, [b // 2 for b in range(B)]):  # with and without crn's per-group draw
+        one = plan_update(adv, mask, Shard(B // 2, 2, 0, 1), step_groups=groups, **kw)
+        ranks = [plan_update(adv, mask, Shard(B // 2, 2, r, 2), step_groups=groups, **kw) for r in (0, 1)]
+        for e, chunks in enumerate(one[2]):
+            for c, chunk in enumerate(chunks):
+                assert all(rk[2][e][c].pairs == chunk.pairs for rk in ranks)  # every rank, the same global plan
+                mine = [(b + r * B // 2, j) for r, rk in enumerate(ranks) for b, j in rk[2][e][c].mine]
+                assert sorted(mine) == sorted(chunk.mine)
+
+
 def test_update_plan_rejects_an_unknown_step_draw():
     kw = dict(seed=1, iteration=0, inner_epochs=1, updates_per_epoch=1, steps_per_sample=0, skip_zero_adv=False)
-    with pytest.raises(ValueError, match="train_step_draw='stratified'; use random or systematic"):
+    with pytest.raises(ValueError, match="train_step_draw='stratified'; use random, systematic or nft"):
         plan_update(torch.ones(2, 4), torch.ones(4, dtype=torch.bool), Shard(2, 1, 0, 1), step_draw="stratified", **kw)

@@ -522,6 +522,144 @@ def test_kl_reference_ema_needs_a_kl_term(tmp_path, model_path):
         make_cfg(tmp_path, model_path, "optim.kl_beta=0.1", "optim.kl_reference=moving")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# nft objective.options.old_policy=soft: DiffusionNFT's soft-updated π_old samples the rollouts and gives v_old
+# ---------------------------------------------------------------------------------------------------------------
+
+NFT = ("objective.name=nft", "sampler.name=ode", "optim.lr=1e-3", "sampler.train_step_draw=nft",
+       "sampler.train_steps_per_sample=0")
+SOFT = (*NFT, "objective.options.old_policy=soft", "objective.options.old_decay_rate=0.25",
+        "objective.options.old_decay_max=0.5")
+
+
+def test_nft_soft_old_policy_samples_the_rollout_and_soft_updates(tmp_path, model_path, monkeypatch):
+    import flowcredit.trainer.grpo as grpo_module
+
+    tr = make_trainer(tmp_path, model_path, *SOFT, reward=image_mean_reward)
+    names = tr.trainable_names
+    at_rollout, at_update = [], []
+    real_rollout = grpo_module.rollout
+
+    def rollout_spy(model, *args, **kwargs):  # the weights the rollout samples with
+        at_rollout.append(trainable_of(model, names))
+        return real_rollout(model, *args, **kwargs)
+
+    monkeypatch.setattr(grpo_module, "rollout", rollout_spy)
+    seen = spy_update(tr)
+    seen["before"] = lambda *a: at_update.append(trainable_of(tr.model, names))
+    theta0 = trainable_of(tr.model, names)
+    first = tr.train_step()
+    tr.iteration += 1
+    theta1 = trainable_of(tr.model, names)
+    # iteration 1: π_old = θ_0 = θ; every grid time may be trained (train_step_draw=nft), int(3·0.99) = 2 per sample
+    assert all(torch.equal(a, b) for a, b in zip(at_rollout[0], theta0))
+    assert bool(seen["traj"].step_mask.all()) and first["pairs_planned"] == B * 2
+    assert first["old_deviate"] == pytest.approx(0.0, abs=1e-12)
+    # after the update, with k = 1 optimizer step: d = min(0.25·1, 0.5), θ_old ← θ_old·d + θ·(1 − d) (official form)
+    assert first["old_policy_decay"] == 0.25 and tr.old_policy.steps == 1
+    old1 = [a * 0.25 + b * 0.75 for a, b in zip(theta0, theta1)]
+    assert all(torch.equal(a, b) for a, b in zip(tr.old_policy.shadow, old1))
+    second = tr.train_step()
+    # iteration 2: the rollout sampled θ_old, not θ_1; the update started from θ_1 again, with v_old ≠ v_θ
+    assert all(torch.equal(a, b) for a, b in zip(at_rollout[1], old1))
+    assert any(not torch.equal(a, b) for a, b in zip(at_rollout[1], theta1))
+    assert all(torch.equal(a, b) for a, b in zip(at_update[1], theta1))
+    assert second["old_deviate"] > 0 and second["old_policy_decay"] == 0.5  # min(0.25·2, 0.5)
+    assert first["nfe_update"] == second["nfe_update"] == B * 2 * 3  # forward + backward + the v_old forward per pair
+
+
+def test_nft_soft_old_policy_resumes_exactly(tmp_path, model_path):
+    common = (*SOFT, "run.checkpoint_every=1")
+    first = make_trainer(tmp_path, model_path, "run.iterations=2", *common, out="resume", reward=image_mean_reward)
+    first.train()
+    st = checkpoint.load(tmp_path / "resume" / "checkpoints" / "iter000002")
+    assert st["old_policy"].keys() == set(first.trainable_names) and st["harness"]["old_policy"] == {"steps": 2}
+    second = make_trainer(tmp_path, model_path, "run.iterations=3", *common, out="resume", reward=image_mean_reward)
+    assert second.iteration == 2 and second.old_policy.steps == 2
+    assert all(torch.equal(a, b) for a, b in zip(second.old_policy.shadow, first.old_policy.shadow))
+    second.train()
+    straight = make_trainer(tmp_path, model_path, "run.iterations=3", *common, out="straight",
+                            reward=image_mean_reward)
+    straight.train()
+    a, b = second.model.net.state_dict(), straight.model.net.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed run's weights differ from the straight run"
+    assert all(torch.equal(x, y) for x, y in zip(second.old_policy.shadow, straight.old_policy.shadow))
+    ra, rb = read_metrics(tmp_path / "resume"), read_metrics(tmp_path / "straight")
+    for key in ("reward_mean", "loss", "old_deviate", "old_policy_decay"):
+        assert [r[key] for r in ra] == [r[key] for r in rb], key
+
+
+def test_nft_soft_old_policy_without_decay_trains_as_the_current_policy(tmp_path, model_path):
+    # d = 0: θ_old = θ after every iteration, so the rollout and v_old are the current policy's (old_policy=current);
+    # only the v_old pass is a separate forward (the same values) and no zero-advantage pair is skipped
+    cur = make_trainer(tmp_path, model_path, "run.iterations=2", *NFT, out="current", reward=image_mean_reward)
+    soft = make_trainer(tmp_path, model_path, "run.iterations=2", *NFT, "objective.options.old_policy=soft",
+                        "objective.options.old_decay_rate=0", "objective.options.old_decay_max=0", out="soft0",
+                        reward=image_mean_reward)
+    cur.train()
+    soft.train()
+    a, b = cur.model.net.state_dict(), soft.model.net.state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    assert [r["old_deviate"] for r in read_metrics(tmp_path / "soft0")] == pytest.approx([0.0, 0.0], abs=1e-12)
+
+
+def test_nft_soft_old_policy_estimates_step_rewards_with_the_old_weights(tmp_path, model_path, monkeypatch):
+    # step-level credit (stepwise, 2-substep x̂0 estimates that call the model): the estimates see π_old's weights
+    import flowcredit.trainer.grpo as grpo_module
+
+    tr = make_trainer(tmp_path, model_path, *SOFT, "method=stepwise", "estimate.substeps=2", reward=image_mean_reward)
+    real, seen = grpo_module.intermediate_rewards, []
+
+    def spy(model, *args, **kwargs):
+        seen.append(trainable_of(model, tr.trainable_names))
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(grpo_module, "intermediate_rewards", spy)
+    tr.train_step()
+    tr.iteration += 1
+    old = [t.clone() for t in tr.old_policy.shadow]
+    stats = tr.train_step()
+    assert all(torch.equal(a, b) for a, b in zip(seen[1], old)) and math.isfinite(stats["loss"])
+
+
+def test_nft_soft_old_policy_with_lora_keeps_a_second_adapter(tmp_path, model_path):
+    pytest.importorskip("peft")
+    tr = make_trainer(tmp_path, model_path, *SOFT, "model.trainable=lora", "model.lora_rank=4", "model.lora_alpha=8",
+                      "optim.lr=1e-2", reward=image_mean_reward)
+    assert tr.trainable_names and all("lora_" in n for n in tr.trainable_names)
+    assert [t.shape for t in tr.old_policy.shadow] == [p.shape for p in tr.trainable]  # the adapter only
+    tr.train_step()
+    tr.iteration += 1
+    assert tr.train_step()["old_deviate"] > 0
+
+
+def test_awm_released_recipe_trains_with_the_ramped_ema_reference(tmp_path, model_path):
+    # AWM's released recipe on the tiny model: ghuber p = 0.25, A/5, clip 1, KL to an EMA reference whose decay ramps
+    # as min(r·k, d) (here r = 0.1, d = 0.3, so the ramp is visible in 2 steps); the step count is checkpointed
+    recipe = ("objective.name=awm", "sampler.name=ode", "objective.options.weighting=ghuber",
+              "objective.options.adv_clip_max=5", "objective.options.advantage_max=1",
+              "objective.options.clip_range=1.0", "optim.kl_beta=1.0", "optim.kl_reference=ema",
+              "optim.kl_reference_decay=0.3", "optim.kl_reference_decay_rate=0.1", "optim.lr=1e-3",
+              "run.checkpoint_every=1")
+    tr = make_trainer(tmp_path, model_path, "run.iterations=2", *recipe, reward=image_mean_reward)
+    names = tr.trainable_names
+    ref = trainable_of(tr.ref_model, names)
+    for k in (1, 2):
+        stats = tr.train_step()
+        tr.iteration += 1
+        d = min(0.1 * k, 0.3)
+        ref = [r.lerp(p, 1 - d) for r, p in zip(ref, trainable_of(tr.model, names))]
+        assert all(torch.equal(g, e) for g, e in zip(trainable_of(tr.ref_model, names), ref))
+        assert math.isfinite(stats["loss"]) and stats["ratio_mean"] == pytest.approx(1.0)
+    assert stats["kl"] > 0
+    tr.save_checkpoint()
+    st = checkpoint.load(tmp_path / "run" / "checkpoints" / "iter000002")
+    assert st["harness"]["kl_reference"] == {"steps": 2}
+    resumed = make_trainer(tmp_path, model_path, "run.iterations=3", *recipe, reward=image_mean_reward)
+    assert resumed.iteration == 2 and resumed.moving_ref.steps == 2
+
+
 def test_budget_stops_training_in_time_for_the_final_evaluation(tmp_path, model_path):
     """run.budget_minutes: the first iteration always runs; afterwards training stops once one more iteration plus
     the predicted final evaluation would overrun the budget, and the evaluation still runs (eval.json written)."""

@@ -130,3 +130,76 @@ def test_moving_reference_rejects_a_copy_without_the_trainable_names():
 
     with pytest.raises(RuntimeError, match="lacks trainable parameters"):
         MovingReference(torch.nn.Linear(3, 2), ["net.blocks.0.weight"], decay=0.9)
+
+
+def _official_return_decay(step, decay_type):
+    """NVlabs/DiffusionNFT scripts/train_nft_sd3.py @ 24af555, `return_decay`, transcribed from that file."""
+    if decay_type == 0:
+        flat, uprate, uphold = 0, 0.0, 0.0
+    elif decay_type == 1:
+        flat, uprate, uphold = 0, 0.001, 0.5
+    elif decay_type == 2:
+        flat, uprate, uphold = 75, 0.0075, 0.999
+    if step < flat:
+        return 0.0
+    decay = (step - flat) * uprate
+    return min(decay, uphold)
+
+
+def test_soft_update_decay_is_diffusionnfts_return_decay():
+    import pytest
+
+    from flowcredit.trainer.harness import soft_update_decay
+
+    types = {0: (0.0, 0.0, 0), 1: (0.001, 0.5, 0), 2: (0.0075, 0.999, 75)}  # (rate, cap, flat) of decay_type
+    for decay_type, (rate, cap, flat) in types.items():
+        for step in (0, 1, 2, 74, 75, 76, 100, 209, 500, 1000, 5000):
+            assert soft_update_decay(step, rate, cap, flat) == _official_return_decay(step, decay_type)
+    # by hand: GenEval (type 1) 0.001 after one step, capped at 0.5 from step 500; OCR (type 2) 0 until step 75
+    assert soft_update_decay(1, 0.001, 0.5) == pytest.approx(0.001)
+    assert soft_update_decay(500, 0.001, 0.5) == 0.5 and soft_update_decay(501, 0.001, 0.5) == 0.5
+    assert soft_update_decay(75, 0.0075, 0.999, 75) == 0.0
+    assert soft_update_decay(100, 0.0075, 0.999, 75) == pytest.approx(0.1875)
+    assert soft_update_decay(300, 0.0075, 0.999, 75) == 0.999
+
+
+def test_soft_old_policy_updates_as_diffusionnft_and_swaps_in():
+    from flowcredit.trainer.harness import SoftOldPolicy
+
+    w = torch.nn.Parameter(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    old = SoftOldPolicy([w], rate=0.25, cap=0.5)
+    assert torch.equal(old.shadow[0], w.detach()) and old.shadow[0] is not w  # starts at θ, a copy
+    with torch.no_grad():
+        w.add_(4.0)  # θ_1 = θ_0 + 4
+    old.steps = 1
+    assert old.update([w]) == 0.25
+    # official: tgt.copy_(tgt·decay + src·(1 − decay)) = 0.25·θ_0 + 0.75·θ_1 = θ_0 + 3
+    assert torch.equal(old.shadow[0], torch.tensor([[4.0, 5.0], [6.0, 7.0]]))
+    with old.swapped_in([w]):
+        assert torch.equal(w.detach(), torch.tensor([[4.0, 5.0], [6.0, 7.0]]))
+    assert torch.equal(w.detach(), torch.tensor([[5.0, 6.0], [7.0, 8.0]]))  # θ restored
+    old.steps = 3  # d = min(0.75, 0.5) = 0.5
+    assert old.update([w]) == 0.5 and torch.equal(old.shadow[0], torch.tensor([[4.5, 5.5], [6.5, 7.5]]))
+    st = old.state_dict()
+    fresh = SoftOldPolicy([w], 0.25, 0.5)
+    fresh.load_state_dict(st)
+    assert fresh.steps == 3
+
+
+def test_moving_reference_decay_ramp_is_awms_linear_kl_ema_decay():
+    # scxue/advantage_weighted_matching train_sd3_awm.py @ be51372: decay = min(kl_ema_decay, 0.001·global_step),
+    # tgt ← tgt·decay + src·(1 − decay); here at the k-th optimizer step
+    from flowcredit.trainer.harness import MovingReference
+
+    policy, ref = torch.nn.Linear(2, 1, bias=False), torch.nn.Linear(2, 1, bias=False)
+    ref.load_state_dict(policy.state_dict())
+    moving = MovingReference(ref, ["weight"], decay=0.3, rate=0.1)
+    expect = ref.weight.detach().clone()
+    for k in range(1, 6):
+        with torch.no_grad():
+            policy.weight.add_(1.0)
+        moving.update([policy.weight])
+        decay = min(0.3, 0.1 * k)  # 0.1, 0.2, 0.3, 0.3, 0.3
+        expect = expect * decay + policy.weight.detach() * (1 - decay)
+        torch.testing.assert_close(ref.weight.detach(), expect, rtol=0, atol=1e-6)
+    assert moving.state_dict() == {"steps": 5}

@@ -131,12 +131,14 @@ class SamplerCfg(SamplerParams):
         "all.",
         ge=0,
     )
-    train_step_draw: Literal["random", "systematic"] = _h(
+    train_step_draw: Literal["random", "systematic", "nft"] = _h(
         "random",
         "How sampler.train_steps_per_sample = k steps of the n trainable ones are drawn: random = k uniformly without "
         "replacement; systematic = u ~ U[0, n/k), steps ⌊u + i·n/k⌋ for i < k: every step is still trained with "
         "probability k/n (the same objective in expectation), but each sample's steps are spread over the whole time "
-        "range (docs/ALGORITHMS.md §9.1).",
+        "range (docs/ALGORITHMS.md §9.1); nft = DiffusionNFT's draw (objective nft/awm, train_steps_per_sample 0): "
+        "int(T·timestep_fraction) of ALL T grid times per sample, uniformly without replacement, so every time, the "
+        "last one included, is trained with probability int(T·fraction)/T (9 of 10: 0.9) (§9.2).",
     )
     shared_noise: bool | None = _h(
         None, "Share x_T within a group; null = the method's default (stepwise/vgpo: yes, flow_grpo: no)."
@@ -148,6 +150,13 @@ class SamplerCfg(SamplerParams):
             raise ValueError(
                 f"int(sampler.num_steps·sampler.timestep_fraction) = int({self.num_steps}·{self.timestep_fraction}) = "
                 "0 trainable steps; raise sampler.num_steps or sampler.timestep_fraction"
+            )
+        if self.train_step_draw == "nft" and self.train_steps_per_sample > 0:
+            k = self.train_steps_per_sample
+            raise ValueError(
+                "sampler.train_step_draw=nft trains int(T·timestep_fraction) of all T steps per sample (DiffusionNFT) "
+                f"and takes no count, but sampler.train_steps_per_sample={k}: set it to 0 (or use "
+                f"train_step_draw=random with timestep_fraction=1 for {k} of all T)"
             )
 
 
@@ -268,6 +277,13 @@ class OptimCfg:
     kl_reference_decay: float = _h(
         0.98, "Decay d of the EMA reference (optim.kl_reference=ema), per optimizer step.", gt=0, lt=1
     )
+    kl_reference_decay_rate: float = _h(
+        0.0,
+        "optim.kl_reference=ema: 0 = the constant decay optim.kl_reference_decay; r > 0 = the ramp d_k = min(r·k, "
+        "optim.kl_reference_decay) at the k-th optimizer step (AWM's released recipe, kl_ema_decay_type=linear: "
+        "min(0.001·k, 0.3); docs/ALGORITHMS.md §9.3).",
+        ge=0,
+    )
     lr_schedule: Literal["constant", "cosine", "linear"] = _h(
         "constant",
         "Learning-rate schedule over the run's progress p = max(iteration / N, fraction of the training time of "
@@ -322,6 +338,11 @@ class OptimCfg:
             raise ValueError(
                 "optim.kl_reference=ema moves the KL reference, but optim.kl_beta=0 has no KL term; set optim.kl_beta "
                 "> 0 or leave optim.kl_reference=initial"
+            )
+        if self.kl_reference_decay_rate > 0 and self.kl_reference != "ema":
+            raise ValueError(
+                f"optim.kl_reference_decay_rate={self.kl_reference_decay_rate} ramps the EMA reference's decay, but "
+                f"optim.kl_reference={self.kl_reference}; set optim.kl_reference=ema or kl_reference_decay_rate=0"
             )
 
 
@@ -527,6 +548,11 @@ class TrainConfig:
             raise ValueError(
                 "sampler.shared_noise=true with sampler.name=ode makes every sample of a group identical (the ODE is "
                 "deterministic), so group advantages are 0; set sampler.shared_noise=false or use an SDE sampler"
+            )
+        if self.sampler.train_step_draw == "nft" and self.objective.name == "grpo":
+            raise ValueError(
+                "sampler.train_step_draw=nft trains the forward process at every grid time (DiffusionNFT); "
+                "objective.name=grpo trains SDE steps, use train_step_draw=random|systematic or objective.name=nft|awm"
             )
         if self.objective.name != "grpo" and self.optim.offload_reference:
             raise ValueError(

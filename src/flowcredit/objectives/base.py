@@ -51,6 +51,9 @@ class LossContext:
         ref_offload: trainer/distributed.ReferenceOffload (optim.offload_reference), used by `grpo` only.
         row_start / batch_global: this rank's first row in the global batch and the global batch size (0 = the
             rows are the whole batch): draws over the global batch keep 1 and N processes alike.
+        old_policy: None (π_old = θ at the start of the update), or a zero-argument callable returning a context
+            manager within which `model` holds π_old's weights (nft's old_policy=soft, `trainer/harness.SoftOldPolicy`;
+            π_old then differs from θ even on-policy, so v_old is computed with it in `prepare`).
     """
 
     model: Any
@@ -68,6 +71,7 @@ class LossContext:
     ref_offload: Any = None
     row_start: int = 0
     batch_global: int = 0
+    old_policy: Callable[[], Any] | None = None
 
 
 @dataclass
@@ -93,6 +97,9 @@ class Objective(Protocol):
 
     Optional attribute: `shares_steps_in_group` (bool, default False when absent): the trainer then plans the same
     trained steps for every member of a prompt group (nft's `crn`, ALGORITHMS.md §9.1).
+    Optional attribute: `old_policy_decay` ((rate, max, flat) or None when absent): the trainer then keeps π_old as a
+    soft-updated copy of the trainable weights (`trainer/harness.SoftOldPolicy`, nft's old_policy=soft) that samples
+    the rollouts and is passed to the loss as `LossContext.old_policy`.
     Optional method: `start_step(ctx, pairs)`, called before each optimizer step with every rank's (global row, step)
     pairs of that step in the plan's order (`trainer/distributed.Chunk.pairs`), for draws that must not depend on the
     process layout (the KL subset of nft / awm, `objectives/forward.ForwardProcess.start_step`).

@@ -16,6 +16,7 @@ The rollout may be the ODE (no log-probs needed): the trained steps are the firs
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import field
 from typing import Any, Literal
 
@@ -68,7 +69,8 @@ class ForwardProcess:
             sample cancels in Σ_b A_b ∇ℓ_b (group-centred advantages sum to 0). ALGORITHMS.md §9.1.
         kl_fraction: f, the fraction of pairs whose KL term is computed (`velocity_kl`); 1 = every pair.
         eps: (B, T, *latent) fresh noise of the current update (noise=fresh).
-        v_old: (B, T, *latent) velocities of θ at the start of the update where pairs are trained (off-policy only).
+        v_old: (B, T, *latent) π_old's velocities where pairs are trained: θ at the start of the update (off-policy
+            only) or the soft-updated old weights (`LossContext.old_policy`).
         kl_u: (B_global, T) uniform draws of this update that rank the pairs for the KL (kl_fraction < 1).
         kl_w: (B, T) KL weights of this rank's pairs in the current optimizer step (`start_step`): n/k for a pair in
             the KL subset of its block, 0 otherwise; None before `start_step` (each micro-batch is then its block).
@@ -115,12 +117,15 @@ class ForwardProcess:
             gen = noise_generator(ctx.seed, ctx.iteration, stream=STREAM_KL_PAIRS)
             self.kl_u = torch.rand((B_global, traj.num_steps), generator=gen)
         self.v_old = None
-        if ctx.on_policy or not pairs:
+        old_policy = getattr(ctx, "old_policy", None)  # (a hand-built context may lack it)
+        if (ctx.on_policy and old_policy is None) or not pairs:
             return 0
-        # θ_old = θ at the start of the update: one no-grad pass over every pair before the first optimizer step
+        # π_old = θ at the start of the update, or the soft-updated old weights (ctx.old_policy): one no-grad pass over
+        # every pair before the first optimizer step (π_old does not move during an update)
         self.v_old = torch.zeros_like(lat[:, :-1])
         uniq = sorted(set(pairs))
-        with torch.no_grad():
+        old_weights = old_policy() if old_policy is not None else contextlib.nullcontext()
+        with torch.no_grad(), old_weights:
             for s in range(0, len(uniq), ctx.micro_batch):
                 bi = torch.tensor([p[0] for p in uniq[s : s + ctx.micro_batch]])
                 ji = torch.tensor([p[1] for p in uniq[s : s + ctx.micro_batch]])

@@ -15,9 +15,12 @@ v_old is π_old's velocity (sg(v_θ) on-policy: one optimizer step per rollout b
 x̂0(v_old), so ∇_v L = m·(2r − 1)·∇_v mean_d (x̂0 − x0)² / w: advantage-weighted flow matching, zero at A = 0
 (tests/objectives/test_nft.py). Read from NVlabs/DiffusionNFT `scripts/train_nft_sd3.py` (m = 5, GenEval β = 1).
 
-Divergence (documented in ALGORITHMS.md §9.2): DiffusionNFT's π_old is a second adapter soft-updated after every
-optimizer step with a decay ramp min(0.001·step, 0.5) (≈ the current policy for the first hundreds of steps), and the
-rollouts sample from it; here π_old is θ at the start of the update (identical for one step per rollout batch).
+π_old (`old_policy`, ALGORITHMS.md §9.2): `current` (default) is θ at the start of the update (v_old = sg(v_θ) with
+one optimizer step per rollout batch). `soft` is DiffusionNFT's: a copy of the trainable weights soft-updated once per
+iteration (their epoch), after its optimizer steps, θ_old ← d·θ_old + (1 − d)·θ with d = `soft_update_decay`(k) of the
+optimizer steps k taken so far (GenEval: min(0.001·k, 0.5)); it samples the rollouts and gives v_old
+(`trainer/harness.SoftOldPolicy`; NVlabs/DiffusionNFT `scripts/train_nft_sd3.py` @ 24af555: `return_decay`, the
+`set_adapter("old")` rollout and `old_prediction`, the soft update at the end of each epoch).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from ..types import Trajectory
 from .base import LossContext, LossOut, register_objective
 from .forward import ForwardProcess, NoiseMode, kl_fraction_field
 
-AdvMode = Literal["all", "positive_only", "negative_only", "binary"]
+AdvMode = Literal["all", "positive_only", "negative_only", "one_only", "binary"]
+OldPolicy = Literal["current", "soft"]
 
 
 @dataclass
@@ -65,17 +69,45 @@ class NFTOptions:
         default="all",
         metadata={
             "help": "Which advantages train (DiffusionNFT `train.adv_mode`): all; positive_only = clamp(A, 0, m) (no "
-            "push away from negatives); negative_only = clamp(A, −m, 0); binary = sign(A).",
-            "choices": ("all", "positive_only", "negative_only", "binary"),
+            "push away from negatives); negative_only = clamp(A, −m, 0); one_only = 1 where A > 0, else 0 (r = 1/2 + "
+            "1/(2m) or 1/2); binary = sign(A).",
+            "choices": ("all", "positive_only", "negative_only", "one_only", "binary"),
         },
+    )
+    old_policy: OldPolicy = field(
+        default="current",
+        metadata={
+            "help": "π_old of v± and of the rollouts: current = θ at the start of the update (v_old = sg(v_θ) "
+            "on-policy); soft = DiffusionNFT's old adapter, a copy of the trainable weights that samples the rollouts "
+            "and is soft-updated once per iteration, θ_old ← d·θ_old + (1 − d)·θ, d = min(old_decay_rate·(k − "
+            "old_decay_flat), old_decay_max) after k optimizer steps (0 before old_decay_flat) (ALGORITHMS.md §9.2).",
+            "choices": ("current", "soft"),
+        },
+    )
+    old_decay_rate: float = field(
+        default=0.001,
+        metadata={"help": "old_policy=soft: the decay's growth per optimizer step (DiffusionNFT GenEval "
+                          "decay_type 1: 0.001; OCR decay_type 2: 0.0075).", "ge": 0},
+    )
+    old_decay_max: float = field(
+        default=0.5,
+        metadata={"help": "old_policy=soft: the decay's cap (GenEval 0.5; OCR 0.999).", "ge": 0, "lt": 1},
+    )
+    old_decay_flat: int = field(
+        default=0,
+        metadata={"help": "old_policy=soft: optimizer steps with decay 0 (π_old = θ after each iteration) before the "
+                          "ramp starts (GenEval 0; OCR 75).", "ge": 0},
     )
 
 
 def nft_optimality(adv: Tensor, m: float, adv_mode: str = "all") -> Tensor:
     """r = clamp(clamp(A', −m, m)/(2m) + 1/2, 0, 1) with A' the advantage after `adv_mode` (DiffusionNFT §3.2).
 
+    The modes are those of NVlabs/DiffusionNFT `scripts/train_nft_sd3.py` (@ 24af555), applied after the clip to ±m:
+    positive_only clamp(A, 0, m), negative_only clamp(A, −m, 0), one_only 1 where A > 0 else 0, binary sign(A).
+
     Args:
-        adv: (n,) advantages. m: adv_clip_max. adv_mode: all | positive_only | negative_only | binary.
+        adv: (n,) advantages. m: adv_clip_max. adv_mode: all | positive_only | negative_only | one_only | binary.
 
     Returns:
         (n,) fp32 optimality probabilities r ∈ [0, 1].
@@ -85,10 +117,14 @@ def nft_optimality(adv: Tensor, m: float, adv_mode: str = "all") -> Tensor:
         a = a.clamp(0.0, m)
     elif adv_mode == "negative_only":
         a = a.clamp(-m, 0.0)
+    elif adv_mode == "one_only":
+        a = (a > 0).to(a.dtype)
     elif adv_mode == "binary":
         a = torch.sign(a)
     elif adv_mode != "all":
-        raise ValueError(f"objective.options.adv_mode: {adv_mode!r}; use all|positive_only|negative_only|binary")
+        raise ValueError(
+            f"objective.options.adv_mode: {adv_mode!r}; use all|positive_only|negative_only|one_only|binary"
+        )
     return (a / m / 2.0 + 0.5).clamp(0.0, 1.0)
 
 
@@ -139,10 +175,16 @@ class NFTObjective:
         self.options = options
         self.fp = ForwardProcess(options.noise, options.crn, options.kl_fraction)
         self.shares_steps_in_group: bool = options.crn
+        # optional Objective attribute (objectives/base.py): the trainer keeps a soft-updated π_old
+        # (trainer/harness.SoftOldPolicy) that samples the rollouts and gives v_old (LossContext.old_policy)
+        self.old_policy_decay: tuple[float, float, int] | None = (
+            (options.old_decay_rate, options.old_decay_max, options.old_decay_flat)
+            if options.old_policy == "soft" else None
+        )
 
     def skip_zero_advantage(self, on_policy: bool, kl_beta: float) -> bool:
-        # r = 1/2 gives zero gradient only at v_θ = v_old (on-policy) and without a KL term
-        return on_policy and kl_beta == 0
+        # r = 1/2 gives zero gradient only at v_θ = v_old (on-policy, π_old = θ) and without a KL term
+        return on_policy and kl_beta == 0 and self.old_policy_decay is None
 
     def trained_steps(self, traj: Trajectory, timestep_fraction: float) -> Tensor:
         return self.fp.trained_steps(traj, timestep_fraction)

@@ -321,6 +321,24 @@ def systematic_steps(n: int, k: int, u: float) -> list[int]:
     return [min(n - 1, int(math.floor((u + i) * stride))) for i in range(k)]
 
 
+def step_draw_window(
+    step_draw: str, num_steps: int, timestep_fraction: float, steps_per_sample: int
+) -> tuple[float, int]:
+    """(the fraction f whose first int(T·f) steps may be trained, the steps `plan_update` draws per sample, 0 = all)
+    of a `sampler.train_step_draw`.
+
+    random / systematic: (sampler.timestep_fraction, sampler.train_steps_per_sample). nft: (1, int(T·f)), f =
+    sampler.timestep_fraction: every one of the T grid times may be trained and each sample trains int(T·f) of them,
+    drawn as the random draw does (uniformly without replacement), so each time, t_{T−1} included, is trained with
+    probability int(T·f)/T. This is DiffusionNFT's draw (NVlabs/DiffusionNFT `scripts/train_nft_sd3.py` @ 24af555:
+    per sample `perms_time = torch.randperm(num_timesteps)` over all `sample.num_steps` grid times, and the first
+    `num_train_timesteps = int(num_steps·timestep_fraction)` of the permuted ones are trained: 9 of 10 at 0.99).
+    """
+    if step_draw == "nft":
+        return 1.0, int(num_steps * timestep_fraction)
+    return timestep_fraction, steps_per_sample
+
+
 class Chunk(NamedTuple):
     """One optimizer step of an update plan (`plan_update`).
 
@@ -359,7 +377,8 @@ def plan_update(
 
     With `step_groups` (B prompt-group ids) the `steps_per_sample` random steps are drawn once per group, so the
     members of a group train the same steps (the forward-process objectives' common random numbers). `step_draw`:
-    "random" (k of the n allowed steps without replacement) or "systematic" (`systematic_steps`).
+    "random" (k of the n allowed steps without replacement), "systematic" (`systematic_steps`) or "nft" (drawn as
+    "random"; the caller allows all T steps and k = int(T·timestep_fraction), `step_draw_window`).
 
     `skip_zero_adv` (the objective says an A = 0 pair has exactly zero gradient) drops those pairs from the passes.
     `loss_mean` (optim.loss_mean) says what the loss of an optimizer step is divided by:
@@ -377,8 +396,8 @@ def plan_update(
     """
     if loss_mean not in ("planned", "nonzero"):
         raise ValueError(f"optim.loss_mean={loss_mean!r}; use planned or nonzero")
-    if step_draw not in ("random", "systematic"):
-        raise ValueError(f"sampler.train_step_draw={step_draw!r}; use random or systematic")
+    if step_draw not in ("random", "systematic", "nft"):
+        raise ValueError(f"sampler.train_step_draw={step_draw!r}; use random, systematic or nft")
     B, T = adv_global.shape
     mask = step_mask.tolist()
     steps_ok = [j for j in range(T) if mask[j]]

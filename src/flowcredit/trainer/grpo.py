@@ -54,6 +54,7 @@ from .distributed import (
     layout_noise,
     plan_update,
     seed_global_rngs,
+    step_draw_window,
 )
 from .evaluation import RunEvaluation
 from .faults import NonFiniteGuard, RetryingCall, first_nonfinite, inject_point
@@ -65,6 +66,7 @@ from .harness import (
     MovingReference,
     PhaseTimer,
     RunLoop,
+    SoftOldPolicy,
     TimeBudget,
 )
 from .intermediate import intermediate_rewards
@@ -174,7 +176,12 @@ class GRPOTrainer(CheckpointMixin):
         self.ema_weights = EMAWeights(self.trainable, cfg.optim.ema_decay)
         self.moving_ref = None
         if self.ref_model is not None and moving:
-            self.moving_ref = MovingReference(self.ref_model.net, self.trainable_names, oc.kl_reference_decay)
+            self.moving_ref = MovingReference(self.ref_model.net, self.trainable_names, oc.kl_reference_decay,
+                                              oc.kl_reference_decay_rate)
+        # nft's old_policy=soft (optional Objective attribute `old_policy_decay`, objectives/base.py): π_old is a
+        # soft-updated copy of the trainable weights that samples the rollouts and gives v_old (DiffusionNFT)
+        old_decay = getattr(self.objective, "old_policy_decay", None)
+        self.old_policy = SoftOldPolicy(self.trainable, *old_decay) if old_decay is not None else None
         self.guard_ = HackingGuard.from_config(cfg.run, build_reward)
         self.budget = TimeBudget(cfg.run.budget_minutes, self.t_created, self.eval_forwards)
         decay_iters = min(cfg.run.iterations, oc.lr_decay_iterations or cfg.run.iterations)
@@ -255,10 +262,13 @@ class GRPOTrainer(CheckpointMixin):
             ro = self.rollout(stats)
         with timer("reward"):  # R(x0) of the decoded final images, retried per `faults`
             ro.images, rewards = self.reward(ro, stats)
-        # ρ_j / I_j of the x̂0 estimates, when the credit method requires them (Stepwise §4.1, VGPO §5.2)
-        step_rewards, instant, istats = intermediate_rewards(
-            self.model, self._score, ro.traj, ro.cond, ro.uncond, self.cfg, ro.prompts, ro.meta, ro.gids, timer
-        )
+        # ρ_j / I_j of the x̂0 estimates, when the credit method requires them (Stepwise §4.1, VGPO §5.2); with a
+        # soft-updated π_old (nft old_policy=soft) the estimates follow the policy that sampled the trajectory
+        estimates = needs_step_rewards(self.cfg.credit) or needs_instant_rewards(self.cfg.credit)
+        with self._old_weights() if estimates else contextlib.nullcontext():
+            step_rewards, instant, istats = intermediate_rewards(
+                self.model, self._score, ro.traj, ro.cond, ro.uncond, self.cfg, ro.prompts, ro.meta, ro.gids, timer
+            )
         stats["reward_calls"] += istats.pop("reward_calls")
         stats.update(istats)
         with timer("credit"):  # advantages (B, T) from the gathered global batch; None on NaN/Inf input
@@ -271,6 +281,8 @@ class GRPOTrainer(CheckpointMixin):
                           **self.nonfinite.skip(bad, self.iteration + 1)}
         stats.update(ustats)
         stats["nfe_update"] = ustats.pop("_nfe")
+        if self.old_policy is not None:  # DiffusionNFT: θ_old ← d·θ_old + (1 − d)·θ at the end of every epoch
+            stats["old_policy_decay"] = self.old_policy.update(self.trainable)
         counts = [k for k in ("nfe_rollout", "reward_calls", "nfe_estimates", "nfe_update") if k in stats]
         stats.update(zip(counts, (int(v) for v in self.dist.sum([stats[k] for k in counts]))))  # over all ranks
         stats["seconds"] = timer.seconds
@@ -292,15 +304,19 @@ class GRPOTrainer(CheckpointMixin):
         uncond = cond_repeat(self.uncond1, B) if self.uncond1 is not None else None
         T, it = len(self.timesteps) - 1, self.iteration + 1
         init, noise = layout_noise(cfg.run.seed, it, self.shard, model.latent_shape, T, cfg.shared_noise)
-        traj = rollout(
-            model, prompts, meta, gids, timesteps=self.timesteps, sampler=self.params, guidance_scale=guidance,
-            generator=None, init_noise=init, step_noise=noise, cond=cond, uncond=uncond,
-            keep_velocities=needs_step_rewards(cfg.credit) or needs_instant_rewards(cfg.credit),
-            train_fraction=cfg.sampler.timestep_fraction, ode_untrained=cfg.sampler.ode_untrained,
-        )
+        with self._old_weights():  # nft old_policy=soft: π_old samples the rollouts (DiffusionNFT)
+            traj = rollout(
+                model, prompts, meta, gids, timesteps=self.timesteps, sampler=self.params, guidance_scale=guidance,
+                generator=None, init_noise=init, step_noise=noise, cond=cond, uncond=uncond,
+                keep_velocities=needs_step_rewards(cfg.credit) or needs_instant_rewards(cfg.credit),
+                train_fraction=cfg.sampler.timestep_fraction, ode_untrained=cfg.sampler.ode_untrained,
+            )
         # grpo trains the stochastic steps inside timestep_fraction; forward-process objectives the first
-        # int(T·fraction) steps whatever the rollout SDE (an ODE rollout has no σ > 0 step)
-        traj.step_mask = self.objective.trained_steps(traj, cfg.sampler.timestep_fraction)
+        # int(T·fraction) steps whatever the rollout SDE (an ODE rollout has no σ > 0 step), or every step with
+        # sampler.train_step_draw=nft (`distributed.step_draw_window`)
+        s = cfg.sampler
+        fraction, _ = step_draw_window(s.train_step_draw, T, s.timestep_fraction, s.train_steps_per_sample)
+        traj.step_mask = self.objective.trained_steps(traj, fraction)
         stats["nfe_rollout"] = B * traj.num_steps * nfe_per_sample(self.uncond1, guidance)
         return Rollout(prompts, meta, gids, cond, uncond, traj)
 
@@ -361,10 +377,13 @@ class GRPOTrainer(CheckpointMixin):
         on_policy = oc.inner_epochs == 1 and oc.updates_per_epoch == 1
         lr = self.lr_schedule.apply(self.opt, self.iteration, self.budget.progress)  # None: constant, untouched
         crn = getattr(obj, "shares_steps_in_group", False)  # optional Objective attribute (objectives/base.py)
+        sc = cfg.sampler
+        _, steps_per_sample = step_draw_window(sc.train_step_draw, traj.num_steps, sc.timestep_fraction,
+                                               sc.train_steps_per_sample)
         n_pairs, n_computed, epochs = plan_update(
             self._gathered(adv), traj.step_mask, self.shard, seed=cfg.run.seed, iteration=self.iteration + 1,
             inner_epochs=oc.inner_epochs, updates_per_epoch=oc.updates_per_epoch,
-            steps_per_sample=cfg.sampler.train_steps_per_sample,
+            steps_per_sample=steps_per_sample,
             skip_zero_adv=obj.skip_zero_advantage(on_policy, oc.kl_beta),
             step_groups=self._gathered(traj.group_ids).tolist() if crn else None,
             step_draw=cfg.sampler.train_step_draw, loss_mean=oc.loss_mean,
@@ -382,6 +401,7 @@ class GRPOTrainer(CheckpointMixin):
             params=self.params, reference=self._reference, on_policy=on_policy, seed=cfg.run.seed,
             iteration=self.iteration + 1, kl_beta=oc.kl_beta, micro_batch=oc.micro_batch, ref_offload=self.ref_offload,
             row_start=self.shard.start, batch_global=self.shard.global_batch,
+            old_policy=self._old_weights if self.old_policy is not None else None,
         )
         self.model.train()
         out["_nfe"] += obj.prepare(ctx, [p for chunks in epochs for chunk in chunks for p in chunk.mine])
@@ -437,6 +457,8 @@ class GRPOTrainer(CheckpointMixin):
             return nfe
         self.nonfinite.ok()
         self.opt.step()
+        if self.old_policy is not None:
+            self.old_policy.steps += 1  # DiffusionNFT's global_step: the decay ramp counts optimizer steps
         acc.setdefault("grad_norm", []).append(float(gn))
         self.ema_weights.update(self.trainable)
         if self.moving_ref is not None:  # optim.kl_reference=ema
@@ -474,6 +496,13 @@ class GRPOTrainer(CheckpointMixin):
         elif line["warning"]:
             print(f"note: gold fell at iteration {self.iteration} (per-look test, no alarm): {line['message']}",
                   file=sys.stderr)
+
+    def _old_weights(self):
+        """Context in which the model holds π_old's weights: the soft-updated copy of nft's old_policy=soft
+        (`harness.SoftOldPolicy`), else the current weights (a no-op)."""
+        if self.old_policy is None:
+            return contextlib.nullcontext()
+        return self.old_policy.swapped_in(self.trainable)
 
     def _reference(self):
         """Context yielding the reference policy π_ref: a frozen copy of the initial weights (optim.kl_reference=ema:

@@ -7,6 +7,7 @@ decides *when* to stop, *which* weights are evaluated and *whether* the reward i
     RunLoop       whether the loop goes on: run.iterations, run.max_minutes, the time budget, SIGTERM/SIGINT; the bar
     TimeBudget    run.budget_minutes: stop before one more iteration + the final evaluation would not fit
     EMAWeights    optim.ema_decay: the EMA of the trainable weights, swapped in for every evaluation
+    SoftOldPolicy nft's old_policy=soft: DiffusionNFT's soft-updated π_old, swapped in for the rollout and for v_old
     HackingGuard  run.gold_reward: held-out gold reward + the train-up/gold-down alarm (rewards/guards.py)
     DistPadding   dist.fsdp: every rank runs as many micro-batch passes as the busiest one (zero-weight padding)
 
@@ -178,22 +179,82 @@ class EMAWeights:
         if self.shadow is None:
             yield
             return
-        backup = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, e in zip(params, self.shadow):
-                p.copy_(e)
-        try:
+        with weights_swapped_in(params, self.shadow):
             yield
-        finally:
-            with torch.no_grad():
-                for p, b in zip(params, backup):
-                    p.copy_(b)
+
+
+@contextlib.contextmanager
+def weights_swapped_in(params: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Within the block the parameters hold `tensors` (same order and placement); restored bit-exactly afterwards."""
+    backup = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, e in zip(params, tensors):
+            p.copy_(e)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, b in zip(params, backup):
+                p.copy_(b)
+
+
+def soft_update_decay(step: int, rate: float, cap: float, flat: int = 0) -> float:
+    """DiffusionNFT's decay of the old adapter after `step` optimizer steps: 0 before `flat` steps, then
+    min(rate·(step − flat), cap) (NVlabs/DiffusionNFT `scripts/train_nft_sd3.py` @ 24af555, `return_decay`:
+    decay_type 1 (GenEval, PickScore) is rate 0.001, cap 0.5, flat 0; decay_type 2 (OCR) 0.0075, 0.999, 75)."""
+    if step < flat:
+        return 0.0
+    return min((step - flat) * rate, cap)
+
+
+class SoftOldPolicy:
+    """nft's objective.options.old_policy = soft: DiffusionNFT's π_old, a soft-updated copy of the trainable weights
+    that samples the rollouts and gives v_old of the implicit policies v± (docs/ALGORITHMS.md §9.2):
+
+        θ_old ← d·θ_old + (1 − d)·θ      once per iteration, after its update, d = soft_update_decay(k, ...)
+
+    k being the optimizer steps taken so far (`steps`; DiffusionNFT's `global_step`: the update runs at the end of
+    each epoch with the step count of that moment, `scripts/train_nft_sd3.py` @ 24af555). θ_old starts at the initial
+    weights. `shadow` is a list of tensors in the order of the trainable parameters (under FSDP sharded like them, as
+    EMAWeights), swapped into the live model where π_old acts (`swapped_in`: the rollout, the v_old pass of the
+    update), so only the trainable weights are kept twice (a LoRA run keeps a second adapter, as DiffusionNFT does).
+    The trainer saves `shadow` in checkpoints (`old_policy`) and `state_dict` (the step count) in the harness state.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], rate: float, cap: float, flat: int = 0):
+        self.rate, self.cap, self.flat = rate, cap, flat
+        self.shadow = [p.detach().clone() for p in params]
+        self.steps = 0  # optimizer steps taken so far
+        self.last_decay = 0.0  # the d of the last update (logged as old_policy_decay)
+
+    def swapped_in(self, params: Sequence[torch.Tensor]):
+        """Context: the parameters hold θ_old within the block, θ afterwards."""
+        return weights_swapped_in(params, self.shadow)
+
+    @torch.no_grad()
+    def update(self, params: Sequence[torch.Tensor]) -> float:
+        """θ_old ← d·θ_old + (1 − d)·θ with d = soft_update_decay(steps); params: the trainable weights. Returns d."""
+        d = soft_update_decay(self.steps, self.rate, self.cap, self.flat)
+        for e, p in zip(self.shadow, params):
+            e.copy_(e * d + p.detach() * (1.0 - d))
+        self.last_decay = d
+        return d
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state.get("steps", 0))
 
 
 class MovingReference:
     """optim.kl_reference = ema: the KL reference π_ref follows the policy as a slow EMA of its trainable weights,
 
         ref ← d·ref + (1 − d)·θ      after every optimizer step, d = optim.kl_reference_decay (docs/ALGORITHMS.md §9.4)
+
+    or, with optim.kl_reference_decay_rate r > 0, d_k = min(r·k, optim.kl_reference_decay) at the k-th optimizer step
+    (AWM's `kl_ema_decay_type=linear`, min(0.001·k, 0.3) in its released recipe, §9.3; `steps` counts k and is saved
+    in the harness state).
 
     `ref_net` is the reference copy's network (`ref_model.net`, a deep copy of the policy's, under FSDP sharded like
     it); `names` are the trainable parameter names, in the order of the trainable parameters. The frozen weights
@@ -202,8 +263,9 @@ class MovingReference:
     reference's device for the update.
     """
 
-    def __init__(self, ref_net: torch.nn.Module, names: Sequence[str], decay: float):
-        self.net, self.names, self.decay = ref_net, list(names), decay
+    def __init__(self, ref_net: torch.nn.Module, names: Sequence[str], decay: float, rate: float = 0.0):
+        self.net, self.names, self.decay, self.rate = ref_net, list(names), decay, rate
+        self.steps = 0  # optimizer steps taken so far (the ramp's k)
         missing = set(self.names) - {n for n, _ in ref_net.named_parameters()}
         if missing:  # a programming error: the copy was made from another network
             raise RuntimeError(f"the KL reference copy lacks trainable parameters {sorted(missing)[:3]}")
@@ -216,8 +278,16 @@ class MovingReference:
     @torch.no_grad()
     def update(self, params: Sequence[torch.Tensor]) -> None:
         """params: the policy's trainable weights after the optimizer step, in the order of `names`."""
+        self.steps += 1
+        decay = self.decay if self.rate <= 0 else min(self.rate * self.steps, self.decay)
         for r, p in zip(self.tensors(), params):
-            r.lerp_(p.detach().to(r.device), 1 - self.decay)
+            r.lerp_(p.detach().to(r.device), 1 - decay)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state.get("steps", 0))
 
     @torch.no_grad()
     def load(self, tensors: Sequence[torch.Tensor]) -> None:

@@ -7,8 +7,9 @@ iteration adds on `device` beyond the weights already loaded:
   * gradients of the trainable parameters (their dtype) and AdamW's two moments (fp32; on the host, not the
     device, with ``optim.offload_optimizer`` on an accelerator), the EMA copy (``optim.ema_decay > 0``), the
     initial-weights copy of the baseline evaluation and the KL reference copy (``kl_beta > 0`` without LoRA
-    or with ``optim.kl_reference=ema``, unless ``optim.offload_reference``); with ``dist.fsdp`` the parameter
-    states are divided by the process count;
+    or with ``optim.kl_reference=ema``, unless ``optim.offload_reference``), nft's soft-updated π_old
+    (``objective.options.old_policy=soft``: a copy of the trainable weights, one more while it is swapped in, and its
+    velocities (B, T, *latent)); with ``dist.fsdp`` the parameter states are divided by the process count;
   * the rollout tensors kept until the update: latents (B, T+1, *latent) fp32, the velocities (B, T, *latent)
     when the credit needs them, the log-probs and the decoded images;
   * the activations autograd saves for one micro-batch of ``min(optim.micro_batch, pairs per step)`` pairs,
@@ -188,6 +189,11 @@ def estimate_memory(
     ref_copy = cfg.optim.kl_reference == "ema" or not hasattr(model, "reference")  # LoRA + initial: no copy
     if cfg.optim.kl_beta > 0 and ref_copy and not ref_on_host and not reference_loaded:
         copies += weight_bytes / shard
+    opts = cfg.objective.options or {}
+    soft_old = cfg.objective.name == "nft" and (
+        opts.get("old_policy") if isinstance(opts, dict) else getattr(opts, "old_policy", None)) == "soft"
+    if soft_old:  # nft old_policy=soft: π_old's copy of the trainable weights + the backup while it is swapped in
+        copies += 2 * train_bytes / shard
 
     B = math.ceil(cfg.data.prompts_per_iter * cfg.data.group_size / max(1, world_size))
     T = cfg.sampler.num_steps
@@ -196,6 +202,8 @@ def estimate_memory(
     if needs_step_rewards(cfg.credit) or needs_instant_rewards(cfg.credit):
         rollout += B * T * latent * 4  # kept velocities
     rollout += B * latent * 4  # decoded images
+    if soft_old:
+        rollout += B * T * latent * 4  # π_old's velocities v_old of the update (objectives/forward.py)
 
     trained_steps = cfg.sampler.train_steps_per_sample or max(1, int(T * cfg.sampler.timestep_fraction))
     pairs_per_step = max(1, math.ceil(B * min(trained_steps, T) / cfg.optim.updates_per_epoch))

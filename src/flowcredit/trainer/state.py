@@ -1,9 +1,10 @@
 """Checkpointing of the trainer: every state of a run, saved atomically and loaded exactly (a mixin of GRPOTrainer).
 
-What is saved (`checkpoint_state`): iteration, model weights, optimizer, EMA weights, model config (and the tiny
-model's LoRA layout), credit state, every RNG of every rank, prompt-sampler position, fault counters and the harness
-objects' states (time-budget measurements, hacking-guard gold/alarm history). The file format is
-`flowcredit/checkpoints.py`: safetensors + JSON folders with a sha256 manifest, never pickle.
+What is saved (`checkpoint_state`): iteration, model weights, optimizer, EMA weights, the moving KL reference's and
+the soft-updated π_old's weights (optim.kl_reference=ema, nft old_policy=soft), model config (and the tiny model's
+LoRA layout), credit state, every RNG of every rank, prompt-sampler position, fault counters and the harness objects'
+states (time-budget measurements, hacking-guard gold/alarm history, the optimizer-step counts of the decay ramps).
+The file format is `flowcredit/checkpoints.py`: safetensors + JSON folders with a sha256 manifest, never pickle.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from .data import PromptSampler
     from .distributed import Dist
     from .faults import NonFiniteGuard
-    from .harness import HackingGuard, MovingReference, TimeBudget
+    from .harness import HackingGuard, MovingReference, SoftOldPolicy, TimeBudget
 
 
 class TrainingError(RuntimeError):
@@ -53,6 +54,7 @@ class CheckpointMixin:
     loggers: list[Any]
     ema: list[torch.Tensor] | None  # the EMA weights in the order of `trainable` (a property of GRPOTrainer)
     moving_ref: MovingReference | None  # optim.kl_reference=ema: the moving KL reference's trainable weights
+    old_policy: SoftOldPolicy | None  # nft old_policy=soft: DiffusionNFT's soft-updated π_old (trainable weights)
 
     def open_run_folder(self) -> None:
         """Make the run folder, write the resolved config, resume from the newest intact checkpoint, and open
@@ -97,6 +99,8 @@ class CheckpointMixin:
             "ema": self._ema_state(),
             # optim.kl_reference=ema: the reference moves with the run, so an exact resume needs it
             "kl_reference": self._named_full(self.moving_ref.tensors()) if self.moving_ref is not None else None,
+            # nft old_policy=soft: π_old samples the next rollout and gives v_old, so an exact resume needs it
+            "old_policy": self._named_full(self.old_policy.shadow) if self.old_policy is not None else None,
             "model_config": dataclasses.asdict(self.model.cfg),
             # tiny: rebuild the adapter to load
             "lora": getattr(self.model, "lora", None) if self.cfg.model.name == "tiny" else None,
@@ -115,6 +119,10 @@ class CheckpointMixin:
         st: dict[str, Any] = {"budget": self.budget.state_dict()}
         if self.guard_ is not None:
             st["guard"] = self.guard_.state_dict()
+        if self.moving_ref is not None:
+            st["kl_reference"] = self.moving_ref.state_dict()
+        if self.old_policy is not None:
+            st["old_policy"] = self.old_policy.state_dict()
         return st
 
     def load_harness_state(self, st: dict[str, Any]) -> None:
@@ -122,6 +130,10 @@ class CheckpointMixin:
             self.budget.load_state_dict(st["budget"])
         if self.guard_ is not None and "guard" in st:
             self.guard_.load_state_dict(st["guard"])
+        if self.moving_ref is not None and "kl_reference" in st:
+            self.moving_ref.load_state_dict(st["kl_reference"])
+        if self.old_policy is not None and "old_policy" in st:
+            self.old_policy.load_state_dict(st["old_policy"])
 
     def _ema_state(self) -> dict[str, torch.Tensor] | None:
         """The EMA weights by parameter name; under FSDP (EMA sharded like the weights) gathered to rank 0."""
@@ -184,6 +196,9 @@ class CheckpointMixin:
             # a checkpoint without it (kl_reference=initial before): the reference stays the initial weights it was
             self.moving_ref.load(shard_like([st["kl_reference"][n] for n in self.trainable_names],
                                             self.moving_ref.tensors()))
+        if self.old_policy is not None and st.get("old_policy") is not None:
+            # a checkpoint without it (old_policy=current before): π_old stays the weights it was built from (θ)
+            self.old_policy.shadow = shard_like([st["old_policy"][n] for n in self.trainable_names], self.trainable)
         self.credit_state = st["credit_state"]
         self.gen.set_state(st["torch_rng"])
         torch.set_rng_state(st["global_torch_rng"])
