@@ -259,6 +259,20 @@ def test_recipes_load_and_mirror_the_papers(name):
         assert {c.name: c.weight for c in cfg.reward.components} == {"ocr": 0.8, "pickscore": 0.2}
 
 
+def test_sd35l_preset_is_the_sd35m_nft_recipe_with_large_model_memory_settings():
+    from flowcredit.cli.main import PRESET_DIR
+    from flowcredit.config.load import load_config
+    from flowcredit.config.schema import TrainConfig
+
+    large = load_config(TrainConfig, "sd35l_nft", [], preset_dirs=[PRESET_DIR])
+    medium = load_config(TrainConfig, "sd35m_nft", [], preset_dirs=[PRESET_DIR])
+    assert large.model.name == "sd3" and large.objective.name == "nft" and large.model.gradient_checkpointing
+    assert large.optim.micro_batch == 4 and medium.optim.micro_batch == 16
+    for section in ("sampler", "data", "credit", "objective"):  # the recipe itself is SD3.5-M's
+        assert getattr(large, section) == getattr(medium, section), section
+    assert (large.optim.lr, large.optim.kl_beta, large.model.lora_rank) == (3e-4, 1e-4, 32)
+
+
 def test_benchmark_path_runs_on_tiny(tmp_path):
     """The GPU benchmark's code path (below), on the tiny model and CPU, so it is known to run when a GPU is lent."""
     rows = td.benchmark(td.tiny_model_dir(KIND), tmp_path, device="cpu", methods=("stepwise",), resolution=td.RESOLUTION,
