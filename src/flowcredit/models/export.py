@@ -44,6 +44,12 @@ def _pipeline_class(model):
         from diffusers import FluxPipeline
 
         return FluxPipeline
+    from .diffusers_common import DiffusersFlowModel
+
+    if isinstance(model, DiffusersFlowModel):  # hook: any other diffusers adapter saves with the pipeline it names
+        import diffusers
+
+        return getattr(diffusers, model.pipeline_name)
     raise ValueError(
         f"export: {type(model).__name__} is not a diffusers adapter (sd3/flux); the tiny model saves with model.save()"
     )
@@ -129,14 +135,16 @@ def export_checkpoint(
         transformer_only: see `export`.
     """
     from .. import checkpoints as ckpt
-    from .factory import build_model
+    from .factory import MODELS, build_model
     from .loading import load_trained_weights, model_cfg_from_checkpoint
 
     ck = ckpt.resolve(checkpoint)
     st = ckpt.load(ck)  # safetensors + JSON, verified; never unpickles
     name = dict(st["model_config"]).get("name")
-    if name not in ("sd3", "flux"):
-        raise ValueError(f"checkpoint '{ck}' is of model.name={name!r}; export handles sd3 and flux")
+    if name == "tiny" or name not in MODELS:  # every registered diffusers family (sd3, flux, zimage, ...)
+        families = ", ".join(n for n in MODELS.names() if n != "tiny")
+        raise ValueError(f"checkpoint '{ck}' is of model.name={name!r}; export handles the diffusers families "
+                         f"{families}")
     cfg = model_cfg_from_checkpoint(st)
     if model_path is not None:
         cfg.path = model_path

@@ -19,7 +19,11 @@ from ..config.registry import Registry
 from ..config.schema import ModelCfg
 from .diffusers_common import DiffusersOptions
 from .flux import FluxOptions
+from .flux2 import Flux2FlowModel, Flux2Options
+from .qwen_image import QwenImageFlowModel, QwenImageOptions
 from .tiny import TinyOptions
+from .wan import WanFlowModel, WanOptions
+from .zimage import ZImageFlowModel, ZImageOptions
 
 if TYPE_CHECKING:  # the concrete families (each an nn.Module with `.net`, implementing types.FlowModel)
     from .flux import FluxFlowModel
@@ -64,10 +68,34 @@ def build_flux(cfg: ModelCfg, opts: FluxOptions, device: str) -> FluxFlowModel:
     return FluxFlowModel.from_pretrained(_need_path(cfg), cfg, **opts.kwargs()).to(device)
 
 
+def build_zimage(cfg: ModelCfg, opts: ZImageOptions, device: str) -> ZImageFlowModel:
+    """Z-Image / Z-Image-Turbo through diffusers (models/zimage.py); LoRA through peft when cfg.trainable == "lora"."""
+    return ZImageFlowModel.from_pretrained(_need_path(cfg), cfg, **opts.kwargs()).to(device)
+
+
+def build_qwen_image(cfg: ModelCfg, opts: QwenImageOptions, device: str) -> QwenImageFlowModel:
+    """Qwen-Image through diffusers (models/qwen_image.py), true CFG inside the model; LoRA through peft."""
+    return QwenImageFlowModel.from_pretrained(_need_path(cfg), cfg, **opts.kwargs()).to(device)
+
+
+def build_flux2(cfg: ModelCfg, opts: Flux2Options, device: str) -> Flux2FlowModel:
+    """FLUX.2 [dev] (Flux2Pipeline) / [klein] (Flux2KleinPipeline) through diffusers (models/flux2.py)."""
+    return Flux2FlowModel.from_pretrained(_need_path(cfg), cfg, **opts.kwargs()).to(device)
+
+
+def build_wan(cfg: ModelCfg, opts: WanOptions, device: str) -> WanFlowModel:
+    """Wan 2.1 / 2.2 TI2V-5B text-to-video through diffusers (models/wan.py): 5-D video latents, decode → frames."""
+    return WanFlowModel.from_pretrained(_need_path(cfg), cfg, **opts.kwargs()).to(device)
+
+
 MODELS = Registry("model", "model family")
 MODELS.register("tiny", build_tiny, TinyOptions, help="the built-in 3.4 M-parameter DiT of the shapes world (CPU)")
 MODELS.register("sd3", build_sd3, DiffusersOptions, help="Stable Diffusion 3 / 3.5 through diffusers")
 MODELS.register("flux", build_flux, FluxOptions, help="FLUX.1 through diffusers")
+MODELS.register("zimage", build_zimage, ZImageOptions, help="Z-Image / Z-Image-Turbo (Tongyi-MAI) through diffusers")
+MODELS.register("qwen_image", build_qwen_image, QwenImageOptions, help="Qwen-Image (true CFG) through diffusers")
+MODELS.register("flux2", build_flux2, Flux2Options, help="FLUX.2 [dev] / [klein] through diffusers (options.variant)")
+MODELS.register("wan", build_wan, WanOptions, help="Wan 2.1 / 2.2 TI2V-5B text-to-video (5-D latents) via diffusers")
 
 
 def build_model(cfg: ModelCfg, device: str = "cpu") -> PolicyModel:
