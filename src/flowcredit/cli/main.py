@@ -218,6 +218,20 @@ def _scores_shapes(reward) -> bool:
     return any(isinstance(r, ShapesReward) for r in parts)
 
 
+def _is_video_model(model) -> bool:
+    """A text-to-video model (wan): its decode returns frames (B, F, 3, H, W); its latent is (C, F, h, w)."""
+    return getattr(model, "num_frames", None) is not None and len(tuple(model.latent_shape)) == 4
+
+
+def _frame_reward(reward):
+    """A video model's reward: an image reward (a name given to --reward / reward.name, or a run's image reward)
+    scores each frame and is averaged per clip (`models.wan.FrameMeanReward`, every frame); a FrameMeanReward (a wan
+    run's own reward) is kept as it is."""
+    from ..models.wan import FrameMeanReward
+
+    return reward if isinstance(reward, FrameMeanReward) else FrameMeanReward.around(reward)
+
+
 def cmd_eval(ns) -> int:
     import torch
 
@@ -261,6 +275,8 @@ def cmd_eval(ns) -> int:
                     f"reward 'shapes' (the shapes verifier) scores {' or '.join(map(str, WORLDS))}-px images of the "
                     f"shapes world; this {src.family} model draws {side}-px images: give --reward NAME"
                 )
+        if _is_video_model(model):
+            reward = _frame_reward(reward)
     except (ConfigError, PromptFileError, FileNotFoundError, ValueError) as e:
         return _fail(str(e))
     if ns.threads:
@@ -270,7 +286,8 @@ def cmd_eval(ns) -> int:
     stem = Path(ns.checkpoint).stem if ns.checkpoint else ("shipped" if src.family == "tiny" else f"{src.family}-base")
     out = ns.out or f"eval_out/{stem}-cfg{settings['guidance']}-s{settings['steps']}"
     reward_name = src.config.reward.name
-    batch = ns.batch_size if ns.batch_size is not None else (64 if src.family == "tiny" else 8)
+    batch = ns.batch_size if ns.batch_size is not None else (
+        64 if src.family == "tiny" else 2 if _is_video_model(model) else 8)
     try:
         s = evaluate(
             model,
@@ -295,8 +312,18 @@ def cmd_eval(ns) -> int:
 
 
 def cmd_sample(ns) -> int:
+    import numpy as np
+
     from ..config import ConfigError
-    from ..eval.evaluate import generate, make_grid, save_png
+    from ..eval.evaluate import (
+        ANIMATION_SUFFIXES,
+        generate,
+        is_video,
+        make_grid,
+        save_animation,
+        save_png,
+        to_uint8_frames,
+    )
     from ..types import to_uint8_hwc
 
     overrides = _inference_overrides(ns, ("model",))
@@ -309,16 +336,36 @@ def cmd_sample(ns) -> int:
         return _fail(str(e))
     if src.family != "tiny":
         print(_loaded_line(src, settings))
+    video = _is_video_model(model)
+    out = Path(ns.out)
+    if video and out.suffix.lower() not in ANIMATION_SUFFIXES:
+        return _fail(
+            f"--out {ns.out}: a {src.family} model draws video clips, written as animations: give --out FILE.png "
+            "(animated PNG, lossless) or FILE.gif"
+        )
     imgs = generate(model, [ns.prompt] * ns.n, steps=settings["steps"], guidance=settings["guidance"], seed=ns.seed)
-    u8 = to_uint8_hwc(imgs).numpy()
-    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
-    save_png(make_grid(u8, ncol=min(8, ns.n)), ns.out, scale=4 if u8.shape[1] <= 64 else 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if is_video(imgs):  # frames (N, F, 3, H, W): an animated grid + each clip on its own
+        clips = to_uint8_frames(imgs)  # (N, F, H, W, 3)
+        scale = 4 if clips.shape[2] <= 64 else 1
+        grids = np.stack([make_grid(clips[:, f], ncol=min(8, ns.n)) for f in range(clips.shape[1])])
+        save_animation(grids, out, scale=scale)
+        for k in range(ns.n):
+            save_animation(clips[k], out.with_name(f"{out.stem}-{k:03d}{out.suffix}"), scale=scale)
+    else:
+        u8 = to_uint8_hwc(imgs).numpy()
+        save_png(make_grid(u8, ncol=min(8, ns.n)), out, scale=4 if u8.shape[1] <= 64 else 1)
     if ns.save_tensors:
         from safetensors.torch import save_file
 
         Path(ns.save_tensors).parent.mkdir(parents=True, exist_ok=True)
-        save_file({"images": imgs.detach().float().cpu().contiguous()}, ns.save_tensors)
-    print(f"wrote {ns.n} samples of '{ns.prompt}' to {ns.out}")
+        save_file({"frames" if is_video(imgs) else "images": imgs.detach().float().cpu().contiguous()},
+                  ns.save_tensors)
+    if is_video(imgs):
+        print(f"wrote {ns.n} clips of {imgs.shape[1]} frames of '{ns.prompt}' to {out} (animated grid) and "
+              f"{out.with_name(f'{out.stem}-000{out.suffix}')} ... (one per clip)")
+    else:
+        print(f"wrote {ns.n} samples of '{ns.prompt}' to {ns.out}")
     return 0
 
 
@@ -539,7 +586,9 @@ def build_parser() -> argparse.ArgumentParser:
         "section: what the run trained and evaluated with); else the shapes verifier (GenEval correct/strict "
         "summary; meaningful for the tiny model on shapes prompts only, so an sd3/flux model without a run needs "
         "--reward). Writes <out>/NNNNN/samples/0000.png, results.jsonl, summary.json (settings: reward, model) and "
-        "grid.png.",
+        "grid.png. A video model (wan): each 0000.png is the clip as an animated PNG, grid.png shows first frames, "
+        "and an image reward scores every frame, averaged per clip (models.wan.FrameMeanReward; a wan run's own "
+        "FrameMeanReward as configured).",
     )
     model_args(e, reward=True)
     e.add_argument(
@@ -557,21 +606,31 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default=None, help="output folder")
     e.add_argument("--limit", type=int, default=None, help="only the first N prompt lines")
     e.add_argument(
-        "--batch-size", type=int, default=None, help="images per sampling batch (default: 64 tiny, 8 sd3/flux)"
+        "--batch-size", type=int, default=None,
+        help="images per sampling batch (default: 64 tiny, 8 sd3/flux, 2 clips wan)"
     )
     e.add_argument("--threads", type=int, default=0)
     e.set_defaults(fn=cmd_eval)
 
-    s = sub.add_parser("sample", help="draw images for one prompt (any model family)")
+    s = sub.add_parser(
+        "sample",
+        help="draw images for one prompt (any model family; a video model (wan): clips, written as animations)",
+    )
     s.add_argument("prompt")
     model_args(s)
     s.add_argument("--n", type=int, default=8)
-    s.add_argument("--out", default="samples.png", help="the image grid (PNG)")
+    s.add_argument(
+        "--out",
+        default="samples.png",
+        help="the image grid (PNG); a video model (wan): the grid animated (clip k in cell k; .png = animated PNG, "
+        ".gif = GIF, 16 fps), each clip also as <stem>-NNN<suffix> beside it",
+    )
     s.add_argument(
         "--save-tensors",
         default=None,
         metavar="FILE",
-        help="also write the decoded images, float32 (N, 3, H, W) in [0, 1], as 'images' in a .safetensors file",
+        help="also write the decoded images, float32 (N, 3, H, W) in [0, 1], as 'images' in a .safetensors file (a "
+        "video model: its frames (N, F, 3, H, W) as 'frames')",
     )
     s.set_defaults(fn=cmd_sample)
 

@@ -10,6 +10,10 @@ Output folder (GenEval's, SHAPES_BENCHMARK.md §1.2):
     <out>/results.jsonl                GenEval's columns + strict, reward
     <out>/summary.json                 per-tag and overall (unweighted tag mean) for correct and strict
     <out>/grid.png                     a grid of the first 128 samples, each with its prompt as caption
+
+A video model (decode → frames (B, F, 3, H, W), e.g. wan) keeps the layout: each `samples/0000.png` is the clip as an
+animated PNG (APNG, lossless; a viewer without APNG shows the first frame), `grid.png` shows the first frames, and
+the reward scores the frames (`flowcredit eval` wraps an image reward in `models.wan.FrameMeanReward`).
 """
 
 from __future__ import annotations
@@ -149,6 +153,42 @@ def save_png(array: np.ndarray, path: str | Path, scale: int = 1) -> None:
     img.save(path)
 
 
+ANIMATION_SUFFIXES = (".png", ".gif")  # animated PNG (lossless) and GIF (256-colour palette), both written by PIL
+
+
+def is_video(images: torch.Tensor) -> bool:
+    """Decoded output of a video model: frames (B, F, 3, H, W) (images are (B, 3, H, W))."""
+    return images.ndim == 5
+
+
+def to_uint8_frames(video: torch.Tensor) -> np.ndarray:
+    """(B, F, 3, H, W) float frames in [0, 1] → (B, F, H, W, 3) uint8 (`to_uint8_hwc` frame by frame)."""
+    b, f, c, h, w = video.shape
+    return to_uint8_hwc(video.reshape(b * f, c, h, w)).numpy().reshape(b, f, h, w, c)
+
+
+def first_frames(images: torch.Tensor) -> torch.Tensor:
+    """Each clip's first frame (B, 3, H, W) of video frames (B, F, 3, H, W); images are returned as they are."""
+    return images[:, 0] if is_video(images) else images
+
+
+def save_animation(frames: np.ndarray, path: str | Path, *, fps: float = 16.0, scale: int = 1) -> None:
+    """(F, H, W, 3) uint8 frames → one animated image, looping, at `fps` (Wan's 16 by default): an animated PNG for a
+    .png path (lossless), a GIF for .gif (PIL's palette quantisation). PIL merges consecutive identical frames into
+    one longer frame.
+
+    Raises:
+        ValueError: another suffix.
+    """
+    path = Path(path)
+    if path.suffix.lower() not in ANIMATION_SUFFIXES:
+        raise ValueError(f"'{path}': an animation is written as .png (animated PNG) or .gif, not '{path.suffix}'")
+    imgs = [Image.fromarray(f) for f in frames]
+    if scale > 1:
+        imgs = [im.resize((im.width * scale, im.height * scale), Image.Resampling.NEAREST) for im in imgs]
+    imgs[0].save(path, save_all=True, append_images=imgs[1:], duration=max(1, round(1000 / fps)), loop=0)
+
+
 @torch.no_grad()
 def generate(
     model: FlowModel,
@@ -161,7 +201,8 @@ def generate(
     batch_size: int = 64,
     shift: float = 3.0,
 ) -> torch.Tensor:
-    """ODE samples for prompts with per-line fixed noise. Returns (N, 3, H, W) float images in [0, 1]."""
+    """ODE samples for prompts with per-line fixed noise. Returns `model.decode`'s output: (N, 3, H, W) float images
+    in [0, 1], or a video model's frames (N, F, 3, H, W)."""
     indices = list(range(len(prompts))) if indices is None else list(indices)
     out = []
     for s in range(0, len(prompts), batch_size):
@@ -214,8 +255,10 @@ def evaluate(
     scores: list[torch.Tensor] = []
     comps: dict[str, list[torch.Tensor]] = {}
     rows: list[dict[str, Any]] = []
-    for s in range(0, n, 256):
-        ro = reward(images[s : s + 256], prompts[s : s + 256], meta[s : s + 256])
+    video = is_video(images)
+    chunk = max(1, 256 // images.shape[1]) if video else 256  # ≈ 256 images per reward call: clips × frames
+    for s in range(0, n, chunk):
+        ro = reward(images[s : s + chunk], prompts[s : s + chunk], meta[s : s + chunk])
         scores.append(ro.scores)
         for k, v in ro.components.items():
             comps.setdefault(k, []).append(v)
@@ -238,6 +281,7 @@ def evaluate(
     score_t = torch.cat(scores)
     summary: dict[str, Any] = {
         "num_images": n,
+        **({"num_frames": int(images.shape[1])} if video else {}),
         "reward_mean": float(score_t.mean()),
         "settings": {"steps": steps, "guidance": guidance, "seed": seed, "shift": shift, "prompts": prompt_set.source,
                      **(info or {})},
@@ -257,13 +301,17 @@ def evaluate(
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        u8 = to_uint8_hwc(images).numpy()
+        u8 = to_uint8_hwc(first_frames(images)).numpy()  # a video: the grid shows the first frames
+        clips = to_uint8_frames(images) if video and write_samples else None
         if write_samples:
             for i in range(n):
                 d = out / f"{i:05d}"
                 (d / "samples").mkdir(parents=True, exist_ok=True)
                 (d / "metadata.jsonl").write_text(json.dumps(meta[i]) + "\n")
-                save_png(u8[i], d / "samples" / "0000.png")
+                if clips is not None:
+                    save_animation(clips[i], d / "samples" / "0000.png")  # the clip as an animated PNG
+                else:
+                    save_png(u8[i], d / "samples" / "0000.png")
         with open(out / "results.jsonl", "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")

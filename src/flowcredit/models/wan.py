@@ -371,6 +371,18 @@ class FrameMeanReward:
             info=info,
         )
 
+    @classmethod
+    def around(cls, inner: Any, frame_stride: int = 1) -> FrameMeanReward:
+        """An already built image reward applied to videos the same way (`flowcredit eval` of a video model wraps
+        the reward it was given by name in this)."""
+        if int(frame_stride) < 1:
+            raise ValueError(f"reward FrameMeanReward: frame_stride must be >= 1, got {frame_stride!r}")
+        self = cls.__new__(cls)
+        self.inner = inner
+        self.frame_stride = int(frame_stride)
+        self.name = f"frames({getattr(inner, 'name', type(inner).__name__)})"
+        return self
+
     def check_prompts(self, metadata, source) -> None:
         """The inner reward's prompt check, if it has one (the trainer calls it before training)."""
         check = getattr(self.inner, "check_prompts", None)

@@ -155,10 +155,11 @@ def write_metrics(metrics_f, loggers: list, iteration: int, stats: dict[str, Any
 
 def save_grid(images, prompts: list[str], group_size: int, grids_dir: Path, iteration: int) -> None:
     """`grids/iterNNNNN.png`: one row per prompt group (G samples), its prompt as the row's caption; the prompts
-    also go to `grids/iterNNNNN.txt`. images: (B, 3, H, W) in [0, 1], group-major like `prompts` (B,)."""
-    from ..eval.evaluate import caption_grid, save_png
+    also go to `grids/iterNNNNN.txt`. images: (B, 3, H, W) in [0, 1], group-major like `prompts` (B,); a video
+    model's frames (B, F, 3, H, W) show each clip's first frame."""
+    from ..eval.evaluate import caption_grid, first_frames, save_png
     from ..types import to_uint8_hwc
 
-    u8 = to_uint8_hwc(images).numpy()
+    u8 = to_uint8_hwc(first_frames(images)).numpy()
     save_png(caption_grid(u8, list(prompts), ncol=group_size, scale=3), grids_dir / f"iter{iteration:05d}.png")
     (grids_dir / f"iter{iteration:05d}.txt").write_text("\n".join(prompts[::group_size]) + "\n")
