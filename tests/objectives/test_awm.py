@@ -140,3 +140,107 @@ def test_released_recipe_surrogate_matches_the_awm_code():
     ours.sum().backward()
     theirs.sum().backward()
     torch.testing.assert_close(vo.grad, vt.grad.float(), rtol=1e-4, atol=1e-8)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# optim.kl_base_beta: AWM's two KL terms, transcribed from train_sd3_awm.py @ be51372 (the training loop):
+#   kl_loss = ((model_output - model_output_ref) ** 2).mean(dim=(2,3,4), keepdim=True)   # ref: disable_adapter()
+#   kl_loss = kl_loss.mean(dim=0).mean()
+#   ema_kl_loss = ((model_output - model_output_ema) ** 2).mean(dim=(2,3,4), keepdim=True)  # set_adapter('ema')
+#   ema_kl_loss = ema_kl_loss.mean(dim=0).mean()
+#   loss = policy_loss + config.train.beta * kl_loss + config.train.ema_beta * ema_kl_loss
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Linear:
+    """A toy FlowModel: v = a·x_t + t (scalar weight a)."""
+
+    def __init__(self, a: float, grad: bool = False):
+        self.a = torch.tensor(a, requires_grad=grad)
+
+    def velocity(self, x_t, t, cond):
+        return self.a * x_t + t.view(-1, 1, 1, 1)
+
+
+def test_two_kl_terms_match_the_awm_code():
+    import contextlib
+
+    from flowcredit.objectives.awm import AWMObjective, AWMOptions
+    from flowcredit.objectives.base import LossContext
+    from flowcredit.types import Trajectory
+
+    nb, T, k = 3, 14, 6  # one AWM micro-batch: train.batch_size = 3 samples × train_timesteps = 6 times
+    g = torch.Generator().manual_seed(4)
+    traj = Trajectory(
+        latents=torch.randn(nb, T + 1, 2, 3, 3, generator=g), log_probs=torch.zeros(nb, T),
+        timesteps=torch.linspace(1, 0, T + 1), step_mask=torch.ones(T, dtype=torch.bool),
+        group_ids=torch.arange(nb), prompts=[""] * nb, metadata=[{}] * nb,
+    )
+    policy, ema, base = _Linear(1.3, grad=True), _Linear(1.1), _Linear(0.8)
+    ctx = LossContext(
+        model=policy, traj=traj, cond={"ids": torch.zeros(nb, 1)}, uncond=None, guidance=1.0, params=None,
+        reference=lambda: contextlib.nullcontext(ema), on_policy=True, seed=3, iteration=1, kl_beta=1.0,
+        kl_base_beta=1e-3, base_reference=lambda: contextlib.nullcontext(base),
+    )
+    obj = AWMObjective(AWMOptions(weighting="ghuber", ghuber_power=0.25, adv_clip_max=5.0, advantage_max=1.0,
+                                  clip_range=1.0), base_kl=True)
+    assert "kl_base" in obj.sum_keys and "kl_base" not in AWMObjective(AWMOptions()).sum_keys
+    t_idx = torch.tensor([1, 3, 4, 7, 9, 10])  # one draw of discrete_wo_init, shared by the micro-batch
+    ji = t_idx.repeat_interleave(nb)  # the code's layout: (train_timesteps, batch_size) flattened
+    bi = torch.arange(nb).repeat(k)
+    adv_sample = torch.tensor([6.0, -2.0, 0.5])
+    pairs = list(zip(bi.tolist(), ji.tolist()))
+    obj.prepare(ctx, pairs)
+    out = obj.loss(ctx, bi, ji, adv_sample[bi])
+    ours = out.loss.sum() / len(pairs)  # the trainer: Σ pairs / the step's pair count
+    ours.backward()
+    g_ours = policy.a.grad.clone()
+    policy.a.grad = None
+
+    # the official loss on the same noised latents (x_t, t, x0, ε of the pairs)
+    x_t, t, x0, eps = obj.fp.noised(ctx, bi, ji)
+    model_output = policy.velocity(x_t, t, None).double()
+    with torch.no_grad():
+        model_output_ref = base.velocity(x_t, t, None).double()
+        model_output_ema = ema.velocity(x_t, t, None).double()
+    log_prob = _official_log_prob(model_output, eps, x0, t.double(), "ghuber")
+    ratio = torch.exp(log_prob - log_prob.detach())
+    advantages = _official_advantages(adv_sample, 5.0, 1.0).double().unsqueeze(0).repeat(k, 1).view(-1)
+    policy_loss = torch.mean(torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 0.0, 2.0)))
+    shape = (k, nb, *model_output.shape[1:])
+    mo, mr, me = model_output.view(shape), model_output_ref.view(shape), model_output_ema.view(shape)
+    kl_loss = ((mo - mr) ** 2).mean(dim=(2, 3, 4), keepdim=True).mean(dim=0).mean()
+    ema_kl_loss = ((mo - me) ** 2).mean(dim=(2, 3, 4), keepdim=True).mean(dim=0).mean()
+    theirs = policy_loss + 0.001 * kl_loss + 1.0 * ema_kl_loss
+    theirs.backward()
+    assert kl_loss > 0 and ema_kl_loss > 0
+    torch.testing.assert_close(ours.double(), theirs, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(g_ours.double(), policy.a.grad.double(), rtol=1e-4, atol=1e-8)
+    torch.testing.assert_close(out.sums["kl_base"] / len(pairs), float(kl_loss.detach()), rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(out.sums["kl"] / len(pairs), float(ema_kl_loss.detach()), rtol=1e-5, atol=1e-9)
+    assert out.nfe == 2 * len(pairs)  # one EMA and one base forward per pair
+
+
+def test_without_kl_base_beta_the_base_model_is_never_called():
+    import contextlib
+
+    from flowcredit.objectives.awm import AWMObjective, AWMOptions
+    from flowcredit.objectives.base import LossContext
+    from flowcredit.types import Trajectory
+
+    traj = Trajectory(
+        latents=torch.randn(2, 4, 2, 2, 2), log_probs=torch.zeros(2, 3), timesteps=torch.linspace(1, 0, 4),
+        step_mask=torch.ones(3, dtype=torch.bool), group_ids=torch.arange(2), prompts=[""] * 2, metadata=[{}] * 2,
+    )
+
+    def boom():
+        raise AssertionError("the base reference was used with kl_base_beta = 0")
+
+    ctx = LossContext(model=_Linear(1.0, grad=True), traj=traj, cond={"ids": torch.zeros(2, 1)}, uncond=None,
+                      guidance=1.0, params=None, reference=lambda: contextlib.nullcontext(_Linear(0.9)),
+                      on_policy=True, seed=0, iteration=1, kl_beta=1.0, base_reference=boom)
+    obj = AWMObjective(AWMOptions())
+    bi, ji = torch.tensor([0, 1]), torch.tensor([1, 2])
+    obj.prepare(ctx, [(0, 1), (1, 2)])
+    out = obj.loss(ctx, bi, ji, torch.ones(2))
+    assert "kl_base" not in out.sums and out.nfe == 2

@@ -353,5 +353,81 @@ def test_nft_step_draw_does_not_depend_on_the_process_layout():
 
 def test_update_plan_rejects_an_unknown_step_draw():
     kw = dict(seed=1, iteration=0, inner_epochs=1, updates_per_epoch=1, steps_per_sample=0, skip_zero_adv=False)
-    with pytest.raises(ValueError, match="train_step_draw='stratified'; use random, systematic or nft"):
+    with pytest.raises(ValueError, match="train_step_draw=.stratified.; use random, systematic, nft or awm"):
         plan_update(torch.ones(2, 4), torch.ones(4, dtype=torch.bool), Shard(2, 1, 0, 1), step_draw="stratified", **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sampler.train_step_draw=awm: AWM's `time_type = discrete_wo_init` (scxue/advantage_weighted_matching
+# scripts/train_sd3_awm.py @ be51372), transcribed here from that file:
+#   boundaries = torch.linspace(1, int(num_steps * timestep_fraction), steps=train_timesteps + 1)
+#   lower_bounds = boundaries[:-1].long(); upper_bounds = boundaries[1:].long()
+#   rand_u = torch.rand(train_timesteps)
+#   t_indices = lower_bounds + (rand_u * (upper_bounds - lower_bounds)).long()
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _official_discrete_wo_init(num_steps, timestep_fraction, train_timesteps, rand_u):
+    boundaries = torch.linspace(1, int(num_steps * timestep_fraction), steps=train_timesteps + 1)
+    lower_bounds = boundaries[:-1].long()
+    upper_bounds = boundaries[1:].long()
+    return (lower_bounds + (rand_u * (upper_bounds - lower_bounds)).long()).tolist()
+
+
+@pytest.mark.parametrize("T,frac,k", [(14, 0.9, 6), (10, 0.99, 3), (10, 0.99, 8), (20, 0.8, 5), (5, 1.0, 4)])
+def test_awm_step_draw_is_the_awm_codes_draw(T, frac, k):
+    from flowcredit.trainer.distributed import STREAM_STEP_SUBSET, derived_generator
+
+    B, seed, it = 5, 2, 9
+    n = int(T * frac)
+    mask = torch.arange(T) < n  # the forward-process objectives' trained steps
+    kw = dict(seed=seed, iteration=it, inner_epochs=1, updates_per_epoch=1, steps_per_sample=k, skip_zero_adv=False)
+    _, _, plan = plan_update(torch.ones(B, T), mask, Shard(B, 1, 0, 1), step_draw="awm", **kw)
+    for b in range(B):
+        rand_u = torch.rand(k, generator=derived_generator(seed, STREAM_STEP_SUBSET, it, b))
+        official = _official_discrete_wo_init(T, frac, k, rand_u)
+        assert sorted(j for bb, j in plan[0][0].pairs if bb == b) == sorted(official)
+        assert len(set(official)) == k and 0 not in official
+
+
+def test_awm_step_draw_inclusion_probabilities_by_enumeration():
+    """Exact: each stratum's uniform enumerated on the midpoints of L equal cells (L a multiple of every stratum's
+    width, so ⌊u·w⌋ takes each value on exactly L/w cells). Released recipe (n = 12, k = 6): step 1 always, steps
+    2..11 with probability 1/2, step 0 never."""
+    from flowcredit.trainer.distributed import awm_steps, awm_strata
+
+    def inclusion(n, k):
+        widths = [hi - lo for lo, hi in awm_strata(n, k)]
+        L = math.lcm(*widths)
+        counts = [0] * n
+        for m in range(L):  # the strata are independent: one u for all of them gives every marginal
+            for j in awm_steps(n, k, torch.full((k,), (m + 0.5) / L)):
+                counts[j] += 1
+        return [c / L for c in counts]
+
+    assert awm_strata(12, 6) == [(1, 2), (2, 4), (4, 6), (6, 8), (8, 10), (10, 12)]
+    assert inclusion(12, 6) == [0.0, 1.0] + [0.5] * 10
+    assert inclusion(10, 3) == [0.0] + [1 / 3] * 9  # strata [1,4), [4,7), [7,10)
+    p = inclusion(9, 3)  # widths 2, 3, 3 (⌊1 + 8i/3⌋: 1, 3, 6, 9)
+    assert p == [0.0, 0.5, 0.5] + [pytest.approx(1 / 3)] * 6 and sum(p) == pytest.approx(3)
+    with pytest.raises(ValueError, match="1 ≤ train_steps_per_sample ≤ 11"):
+        awm_strata(12, 12)
+
+
+def test_awm_step_draw_does_not_depend_on_the_process_layout():
+    B, T = 8, 14
+    adv = torch.randn(B, T, generator=torch.Generator().manual_seed(0))
+    kw = dict(seed=5, iteration=2, inner_epochs=2, updates_per_epoch=2, steps_per_sample=6, skip_zero_adv=False,
+              step_draw="awm")
+    mask = torch.arange(T) < 12
+    for groups in (None, [b // 2 for b in range(B)]):  # per sample, and per group (crn)
+        one = plan_update(adv, mask, Shard(B // 2, 2, 0, 1), step_groups=groups, **kw)
+        ranks = [plan_update(adv, mask, Shard(B // 2, 2, r, 2), step_groups=groups, **kw) for r in (0, 1)]
+        for e, chunks in enumerate(one[2]):
+            for c, chunk in enumerate(chunks):
+                assert all(rk[2][e][c].pairs == chunk.pairs for rk in ranks)
+                mine = [(b + r * B // 2, j) for r, rk in enumerate(ranks) for b, j in rk[2][e][c].mine]
+                assert sorted(mine) == sorted(chunk.mine)
+        if groups is not None:  # the members of a group share their times
+            steps = {b: sorted(j for bb, j in one[2][0][0].pairs + one[2][0][1].pairs if bb == b) for b in range(B)}
+            assert all(steps[b] == steps[b + 1] for b in range(0, B, 2))

@@ -736,3 +736,76 @@ def test_periodic_eval_of_the_whole_split_uses_the_final_evaluations_noise(tmp_p
     curve = [json.loads(x) for x in (tmp_path / "run" / "eval_curve.jsonl").read_text().splitlines()]
     assert curve[-1]["iteration"] == 1
     assert curve[-1]["eval_reward"] == pytest.approx(result["eval"]["trained"]["reward_mean"], abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# AWM's released recipe, both differences closed: optim.kl_base_beta (a second KL to the initial weights beside the
+# EMA reference) and sampler.train_step_draw=awm (discrete_wo_init: one step per stratum, never step 0)
+# ---------------------------------------------------------------------------------------------------------------
+
+AWM_BOTH = ("objective.name=awm", "sampler.name=ode", "sampler.num_steps=5", "sampler.train_step_draw=awm",
+            "sampler.train_steps_per_sample=2", "optim.kl_beta=1", "optim.kl_reference=ema",
+            "optim.kl_reference_decay=0.5", "optim.kl_base_beta=0.5", "optim.lr=1e-3",
+            "objective.options.clip_range=1.0")
+
+
+def test_awm_two_kl_terms_and_awm_step_draw_train(tmp_path, model_path, monkeypatch):
+    import flowcredit.trainer.grpo as grpo_mod
+
+    tr = make_trainer(tmp_path, model_path, *AWM_BOTH, "run.iterations=2", reward=image_mean_reward)
+    assert tr.base_model is not None and tr.ref_model is not None and tr.base_model is not tr.ref_model
+    initial = {k: v.clone() for k, v in tr.model.net.state_dict().items()}
+    plans = []
+    real_plan = grpo_mod.plan_update
+
+    def plan_spy(*a, **k):
+        plans.append(real_plan(*a, **k))
+        return plans[-1]
+
+    monkeypatch.setattr(grpo_mod, "plan_update", plan_spy)
+    stats = [tr.train_step(), tr.train_step()]
+    assert stats[0]["kl_base"] == pytest.approx(0.0, abs=1e-12)  # θ = the initial weights during the first update
+    assert stats[1]["kl_base"] > 0 and stats[1]["kl"] > 0 and all(all_finite(s) for s in stats)
+    # the base copy stays the initial weights while the EMA reference moves
+    assert all(torch.equal(initial[k], v) for k, v in tr.base_model.net.state_dict().items())
+    assert any(not torch.equal(initial[k], v) for k, v in tr.ref_model.net.state_dict().items())
+    assert len(plans) == 2
+    for _, _, epochs in plans:  # 2 steps per sample, from the strata [1, 2) and [2, 4) of the 4 trainable ones
+        pairs = [p for chunk in epochs[0] for p in chunk.pairs]
+        assert sorted(b for b, _ in pairs) == sorted(list(range(B)) * 2)
+        assert {j for _, j in pairs} <= {1, 2, 3}
+        assert all(sorted(j for bb, j in pairs if bb == b)[0] == 1 for b in range(B))  # step 1 always, 0 never
+    assert stats[1]["pairs_planned"] == B * 2
+
+
+def test_awm_kl_base_with_lora_uses_the_disabled_adapter(tmp_path, model_path):
+    pytest.importorskip("peft")
+    tr = make_trainer(tmp_path, model_path, *AWM_BOTH, "model.trainable=lora", "model.lora_rank=4",
+                      "model.lora_alpha=8", "optim.weight_decay=0", "optim.ema_decay=0", "optim.lr=1e-2",
+                      reward=image_mean_reward)
+    assert tr.base_model is None  # no copy: `model.reference()` disables the adapter
+    tr.train_step()
+    stats = tr.train_step()
+    assert stats["kl_base"] > 0
+
+
+def test_awm_options_config_errors_are_one_line(tmp_path, model_path):
+    from flowcredit.config.load import ConfigError
+
+    cases = [
+        (("objective.name=awm", "sampler.name=ode", "optim.kl_beta=1", "optim.kl_base_beta=0.1"),
+         "optim.kl_base_beta=0.1 adds a KL to the initial weights.*optim.kl_reference=ema"),
+        (("optim.kl_beta=1", "optim.kl_reference=ema", "optim.kl_base_beta=0.1"),
+         "kl_base_beta=0.1.*objective.name=nft|awm.*not 'grpo'"),
+        (("objective.name=awm", "sampler.name=ode", "sampler.num_steps=5", "sampler.train_step_draw=awm",
+          "sampler.train_steps_per_sample=4"), "train_step_draw=awm.*steps 1..3.*use 1 to 3"),
+        (("objective.name=awm", "sampler.name=ode", "sampler.train_step_draw=awm", "sampler.train_steps_per_sample=0"),
+         "train_steps_per_sample=0"),
+        (("sampler.train_step_draw=awm", "sampler.train_steps_per_sample=1"),
+         "train_step_draw=awm.*objective.name=grpo"),
+        (("optim.kl_base_beta=-1",), "optim.kl_base_beta"),
+    ]
+    for overrides, match in cases:
+        with pytest.raises(ConfigError, match=match) as e:
+            make_cfg(tmp_path, model_path, *overrides)
+        assert "\n" not in str(e.value), str(e.value)

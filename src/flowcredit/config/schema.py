@@ -131,14 +131,17 @@ class SamplerCfg(SamplerParams):
         "all.",
         ge=0,
     )
-    train_step_draw: Literal["random", "systematic", "nft"] = _h(
+    train_step_draw: Literal["random", "systematic", "nft", "awm"] = _h(
         "random",
         "How sampler.train_steps_per_sample = k steps of the n trainable ones are drawn: random = k uniformly without "
         "replacement; systematic = u ~ U[0, n/k), steps ⌊u + i·n/k⌋ for i < k: every step is still trained with "
         "probability k/n (the same objective in expectation), but each sample's steps are spread over the whole time "
         "range (docs/ALGORITHMS.md §9.1); nft = DiffusionNFT's draw (objective nft/awm, train_steps_per_sample 0): "
         "int(T·timestep_fraction) of ALL T grid times per sample, uniformly without replacement, so every time, the "
-        "last one included, is trained with probability int(T·fraction)/T (9 of 10: 0.9) (§9.2).",
+        "last one included, is trained with probability int(T·fraction)/T (9 of 10: 0.9) (§9.2); awm = AWM's "
+        "stratified draw (time_type discrete_wo_init): with n = int(T·timestep_fraction), one step from each of the "
+        "k strata [⌊1 + i(n−1)/k⌋, ⌊1 + (i+1)(n−1)/k⌋), i < k, so step 0 is never trained (1 ≤ k ≤ n − 1; 14 steps, "
+        "0.9, k 6: {1}, {2,3}, {4,5}, …, {10,11}); drawn per sample, per prompt group with crn (§9.3).",
     )
     shared_noise: bool | None = _h(
         None, "Share x_T within a group; null = the method's default (stepwise/vgpo: yes, flow_grpo: no)."
@@ -157,6 +160,15 @@ class SamplerCfg(SamplerParams):
                 "sampler.train_step_draw=nft trains int(T·timestep_fraction) of all T steps per sample (DiffusionNFT) "
                 f"and takes no count, but sampler.train_steps_per_sample={k}: set it to 0 (or use "
                 f"train_step_draw=random with timestep_fraction=1 for {k} of all T)"
+            )
+        n_ok = int(self.num_steps * self.timestep_fraction)
+        if self.train_step_draw == "awm" and not 1 <= self.train_steps_per_sample <= n_ok - 1:
+            raise ValueError(
+                "sampler.train_step_draw=awm draws one step from each of sampler.train_steps_per_sample strata of "
+                f"steps 1..{n_ok - 1} (int(sampler.num_steps·sampler.timestep_fraction) − 1, step 0 never trained), "
+                "but "
+                f"train_steps_per_sample={self.train_steps_per_sample}; use 1 to {n_ok - 1}"
+                + (" or raise sampler.num_steps" if n_ok < 2 else "")
             )
 
 
@@ -284,6 +296,15 @@ class OptimCfg:
         "min(0.001·k, 0.3); docs/ALGORITHMS.md §9.3).",
         ge=0,
     )
+    kl_base_beta: float = _h(
+        0.0,
+        "β_base of a SECOND KL term, to the initial weights (for LoRA the model with its adapter disabled, else a "
+        "frozen copy), added to the one of optim.kl_beta to the EMA reference of optim.kl_reference=ema: L += "
+        "kl_base_beta·mean_d (v_θ − v_base)² per pair (objective nft/awm, velocity space, same pairs as the other "
+        "KL). AWM's released recipe: 1e-3 (train.beta) beside ema_beta 1 (docs/ALGORITHMS.md §9.3). 0 = no second "
+        "term, no extra forward.",
+        ge=0,
+    )
     lr_schedule: Literal["constant", "cosine", "linear"] = _h(
         "constant",
         "Learning-rate schedule over the run's progress p = max(iteration / N, fraction of the training time of "
@@ -338,6 +359,12 @@ class OptimCfg:
             raise ValueError(
                 "optim.kl_reference=ema moves the KL reference, but optim.kl_beta=0 has no KL term; set optim.kl_beta "
                 "> 0 or leave optim.kl_reference=initial"
+            )
+        if self.kl_base_beta > 0 and self.kl_reference != "ema":
+            raise ValueError(
+                f"optim.kl_base_beta={self.kl_base_beta} adds a KL to the initial weights next to an EMA reference, "
+                "but optim.kl_reference=initial is the initial weights already; add it to optim.kl_beta or set "
+                "optim.kl_reference=ema"
             )
         if self.kl_reference_decay_rate > 0 and self.kl_reference != "ema":
             raise ValueError(
@@ -553,6 +580,16 @@ class TrainConfig:
             raise ValueError(
                 "sampler.train_step_draw=nft trains the forward process at every grid time (DiffusionNFT); "
                 "objective.name=grpo trains SDE steps, use train_step_draw=random|systematic or objective.name=nft|awm"
+            )
+        if self.sampler.train_step_draw == "awm" and self.objective.name == "grpo":
+            raise ValueError(
+                "sampler.train_step_draw=awm draws forward-process grid times (AWM's discrete_wo_init); "
+                "objective.name=grpo trains SDE steps, use train_step_draw=random|systematic or objective.name=nft|awm"
+            )
+        if self.optim.kl_base_beta > 0 and self.objective.name not in ("nft", "awm"):
+            raise ValueError(
+                f"optim.kl_base_beta={self.optim.kl_base_beta} (a second KL to the initial weights) is implemented "
+                f"for objective.name=nft|awm (velocity space), not {self.objective.name!r}; set optim.kl_base_beta=0"
             )
         if self.objective.name != "grpo" and self.optim.offload_reference:
             raise ValueError(

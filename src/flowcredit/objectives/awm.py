@@ -9,14 +9,16 @@ The flow-matching loss of the model's own samples plays the log-likelihood of a 
     Â        = clamp(A, −m, m) / m · a_max        (adv_clip_max = m > 0, advantage_max = a_max > 0; else A)
     ratio    = exp(log p̃_θ − log p̃_old)
     L        = max(−Â·ratio, −Â·clip(ratio, 1 − ε_c, 1 + ε_c)) + kl_beta·mean_d (v_θ − v_ref)²
+               [+ kl_base_beta·mean_d (v_θ − v_base)²]   (optim.kl_base_beta > 0: the base model beside the EMA)
 
 ε_c = clip_range. On-policy ratio ≡ 1, so ∇L = −Â·∇ log p̃_θ (uniform: Â·∇ℓ): positive advantages pull the velocity
 toward the sample's flow-matching target, negative ones push it away; A = 0 gives zero loss and gradient.
 The weightings and the advantage scaling are those of the AWM authors' code, scxue/advantage_weighted_matching
 `advantage_weighted_matching/scripts/train_sd3_awm.py` @ be51372 (`compute_log_prob_awm`: "Uniform", "t", "t**2",
 "huber", "ghuber"; `advantage_max`), whose released GenEval recipe (`config/dgx_awm.py: geneval_sd3_no_cfg_1node`)
-is ghuber with p = 0.25, Â = A/5 (m = 5, a_max = 1), clip_range 1 and a KL of weight 1 to an EMA of the policy
-(preset sd35m_awm_official; ALGORITHMS.md §9.3). Flow-Factory `trainers/awm.py` has the same first three weightings.
+is ghuber with p = 0.25, Â = A/5 (m = 5, a_max = 1), clip_range 1, a KL of weight 1 to an EMA of the policy and
+one of weight 1e-3 to the base model (optim.kl_base_beta), its times drawn by sampler.train_step_draw=awm (preset
+sd35m_awm_official; ALGORITHMS.md §9.3). Flow-Factory `trainers/awm.py` has the same first three weightings.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch import Tensor
 
 from ..types import Trajectory
 from .base import LossContext, LossOut, register_objective
-from .forward import ForwardProcess, NoiseMode, kl_fraction_field
+from .forward import ForwardProcess, NoiseMode, base_kl_enabled, kl_fraction_field
 from .grpo import clipped_surrogate
 
 Weighting = Literal["uniform", "t", "t2", "huber", "ghuber"]
@@ -122,8 +124,10 @@ class AWMObjective:
     sum_keys: tuple[str, ...] = ("kl", "clipfrac", "approx_kl", "ratio_mean", "fm_mse")
     max_keys: tuple[str, ...] = ()
 
-    def __init__(self, options: AWMOptions):
+    def __init__(self, options: AWMOptions, base_kl: bool = False):
         self.options = options
+        if base_kl:  # optim.kl_base_beta > 0: the second KL term's statistic (the same keys on every rank)
+            self.sum_keys = (*AWMObjective.sum_keys, "kl_base")
         self.fp = ForwardProcess(options.noise, kl_fraction=options.kl_fraction)
         self.old_lp: Tensor | None = None
 
@@ -157,16 +161,16 @@ class AWMObjective:
         old = lp.detach() if self.old_lp is None else self.old_lp[bi, ji].to(lp.device)
         adv = awm_advantages(adv, o.adv_clip_max, o.advantage_max)
         loss, st = clipped_surrogate(lp, old, adv, o.clip_range)
-        kl, nfe = self.fp.velocity_kl(ctx, v, x_t, t, bi, ji)
-        loss = loss + ctx.kl_beta * kl
+        pen, kl_sums, nfe = self.fp.kl_terms(ctx, v, x_t, t, bi, ji)
+        loss = loss + pen
         n = len(bi)
         sums = {k: float(val) * n for k, val in st.items()}
-        sums["kl"] = float(kl.detach().sum())
+        sums.update(kl_sums)
         sums["fm_mse"] = float((v.detach().float() - (eps - x0).float()).pow(2).flatten(1).mean(1).sum())
         return LossOut(loss=loss, sums=sums, nfe=nfe)
 
 
 register_objective(
-    "awm", lambda o, cfg: AWMObjective(o), AWMOptions,
+    "awm", lambda o, cfg: AWMObjective(o, base_kl_enabled(cfg)), AWMOptions,
     "Advantage Weighted Matching: PPO-clip with the flow-matching loss of the model's samples as log-likelihood.",
 )

@@ -54,6 +54,10 @@ class LossContext:
         old_policy: None (π_old = θ at the start of the update), or a zero-argument callable returning a context
             manager within which `model` holds π_old's weights (nft's old_policy=soft, `trainer/harness.SoftOldPolicy`;
             π_old then differs from θ even on-policy, so v_old is computed with it in `prepare`).
+        kl_base_beta: optim.kl_base_beta, the weight of a second KL term to the INITIAL weights next to the one to
+            `reference` (0 = none; nft / awm, `forward.ForwardProcess.base_kl`; AWM's base-model KL `train.beta`).
+        base_reference: None, or a zero-argument callable returning a context manager that yields the initial
+            weights (the LoRA model with its adapter disabled, `model.reference()`, or a frozen copy).
     """
 
     model: Any
@@ -72,6 +76,8 @@ class LossContext:
     row_start: int = 0
     batch_global: int = 0
     old_policy: Callable[[], Any] | None = None
+    kl_base_beta: float = 0.0
+    base_reference: Callable[[], Any] | None = None
 
 
 @dataclass

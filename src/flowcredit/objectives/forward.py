@@ -45,6 +45,13 @@ def noise_generator(
     return torch.Generator(device="cpu").manual_seed(int(s[0]) << 31 ^ int(s[1]))
 
 
+def base_kl_enabled(train_cfg: Any) -> bool:
+    """Whether the run's optim.kl_base_beta > 0 (the second KL term, `ForwardProcess.base_kl`); False without a
+    TrainConfig."""
+    optim = getattr(train_cfg, "optim", None)
+    return float(getattr(optim, "kl_base_beta", 0.0) or 0.0) > 0
+
+
 def kl_fraction_field() -> Any:
     """The `kl_fraction` option of the forward-process objectives' options (see `ForwardProcess.velocity_kl`)."""
     return field(
@@ -199,11 +206,44 @@ class ForwardProcess:
         micro-batch size keeps the reference batch's shape, and so the allocator's reuse of its buffers, constant
         (independent per-pair draws grew the peak RSS from 0.95 to 1.44 GB in 40 iterations).
         """
-        n = v.shape[0]
         if ctx.kl_beta <= 0:
-            return torch.zeros(n, device=v.device), 0
+            return torch.zeros(v.shape[0], device=v.device), 0
+        return self._kl_to(ctx, ctx.reference, v, x_t, t, bi, ji)
+
+    def base_kl(
+        self, ctx: LossContext, v: Tensor, x_t: Tensor, t: Tensor, bi: Tensor, ji: Tensor
+    ) -> tuple[Tensor, int]:
+        """(n,) mean_d (v_θ − v_base)² to the INITIAL weights (`LossContext.base_reference`: for LoRA the model with
+        its adapter disabled, else a frozen copy) and its NFEs: the second KL term of optim.kl_base_beta, next to the
+        one to the EMA reference of optim.kl_reference=ema (AWM's `train.beta` = 1e-3 to `disable_adapter()` beside
+        `train.ema_beta` = 1 to the EMA adapter, train_sd3_awm.py @ be51372). Same pairs and weights as
+        `velocity_kl` (kl_fraction); zeros without a forward when optim.kl_base_beta = 0."""
+        if getattr(ctx, "kl_base_beta", 0.0) <= 0 or getattr(ctx, "base_reference", None) is None:
+            return torch.zeros(v.shape[0], device=v.device), 0
+        return self._kl_to(ctx, ctx.base_reference, v, x_t, t, bi, ji)
+
+    def kl_terms(
+        self, ctx: LossContext, v: Tensor, x_t: Tensor, t: Tensor, bi: Tensor, ji: Tensor
+    ) -> tuple[Tensor, dict[str, float], int]:
+        """(n,) kl_beta·KL_ref (+ kl_base_beta·KL_base when optim.kl_base_beta > 0), the summed statistics ("kl", and
+        "kl_base" with the base term) and the NFEs: the KL part of the nft / awm loss."""
+        kl, nfe = self.velocity_kl(ctx, v, x_t, t, bi, ji)
+        pen = ctx.kl_beta * kl
+        sums = {"kl": float(kl.detach().sum())}
+        if getattr(ctx, "kl_base_beta", 0.0) > 0:
+            kb, nb = self.base_kl(ctx, v, x_t, t, bi, ji)
+            pen = pen + ctx.kl_base_beta * kb
+            sums["kl_base"] = float(kb.detach().sum())
+            nfe += nb
+        return pen, sums, nfe
+
+    def _kl_to(
+        self, ctx: LossContext, reference: Any, v: Tensor, x_t: Tensor, t: Tensor, bi: Tensor, ji: Tensor
+    ) -> tuple[Tensor, int]:
+        """(n,) mean_d (v_θ − v_ref)² to the policy of the context manager `reference()` (`velocity_kl`)."""
+        n = v.shape[0]
         if self.kl_u is None:
-            with torch.no_grad(), ctx.reference() as ref_model:
+            with torch.no_grad(), reference() as ref_model:
                 v_ref = ForwardProcess.velocity(ctx, ref_model, x_t, t, bi)
             return (v.float() - v_ref.float()).pow(2).flatten(1).mean(1), n * nfe_per_sample(ctx.uncond, ctx.guidance)
         u = self.kl_u[bi.cpu() + self.row_start, ji.cpu()]
@@ -218,7 +258,7 @@ class ForwardProcess:
         if k == 0:
             return torch.zeros(n, device=v.device), 0
         sel = sel.to(v.device)
-        with torch.no_grad(), ctx.reference() as ref_model:
+        with torch.no_grad(), reference() as ref_model:
             v_ref = ForwardProcess.velocity(ctx, ref_model, x_t[sel], t[sel], bi[sel.to(bi.device)])
         d = (v[sel].float() - v_ref.float()).pow(2).flatten(1).mean(1) * weight.to(v.device)
         return torch.zeros(n, device=v.device).index_put((sel,), d), k * nfe_per_sample(ctx.uncond, ctx.guidance)

@@ -10,6 +10,7 @@ For a pair (b, j) with x_t, t, x0 from `forward.ForwardProcess` and the advantag
     x̂0±  = x_t − t·v±
     w±   = sg(mean_d |x̂0± − x0|) ∨ 1e-5                         adaptive weight (adaptive_weight=true)
     L    = m · [ r·mean_d (x̂0⁺ − x0)² / w⁺ + (1 − r)·mean_d (x̂0⁻ − x0)² / w⁻ ] / β + kl_beta·mean_d (v_θ − v_ref)²
+           [+ kl_base_beta·mean_d (v_θ − v_base)², optim.kl_base_beta > 0]
 
 v_old is π_old's velocity (sg(v_θ) on-policy: one optimizer step per rollout batch). At v_θ = v_old both x̂0± equal
 x̂0(v_old), so ∇_v L = m·(2r − 1)·∇_v mean_d (x̂0 − x0)² / w: advantage-weighted flow matching, zero at A = 0
@@ -33,7 +34,7 @@ from torch import Tensor
 
 from ..types import Trajectory
 from .base import LossContext, LossOut, register_objective
-from .forward import ForwardProcess, NoiseMode, kl_fraction_field
+from .forward import ForwardProcess, NoiseMode, base_kl_enabled, kl_fraction_field
 
 AdvMode = Literal["all", "positive_only", "negative_only", "one_only", "binary"]
 OldPolicy = Literal["current", "soft"]
@@ -171,8 +172,10 @@ class NFTObjective:
     sum_keys: tuple[str, ...] = ("kl", "nft_r", "fm_mse", "old_deviate")
     max_keys: tuple[str, ...] = ()
 
-    def __init__(self, options: NFTOptions):
+    def __init__(self, options: NFTOptions, base_kl: bool = False):
         self.options = options
+        if base_kl:  # optim.kl_base_beta > 0: the second KL term's statistic (the same keys on every rank)
+            self.sum_keys = (*NFTObjective.sum_keys, "kl_base")
         self.fp = ForwardProcess(options.noise, options.crn, options.kl_fraction)
         self.shares_steps_in_group: bool = options.crn
         # optional Objective attribute (objectives/base.py): the trainer keeps a soft-updated π_old
@@ -200,10 +203,10 @@ class NFTObjective:
         v = self.fp.velocity(ctx, ctx.model, x_t, t, bi)
         v_old = self.fp.old_velocity(ctx, v, bi, ji)
         loss, st = nft_pair_loss(v, v_old, x_t, t, x0, adv, self.options)
-        kl, nfe = self.fp.velocity_kl(ctx, v, x_t, t, bi, ji)
-        loss = loss + ctx.kl_beta * kl
+        pen, kl_sums, nfe = self.fp.kl_terms(ctx, v, x_t, t, bi, ji)
+        loss = loss + pen
         sums = {
-            "kl": float(kl.detach().sum()),
+            **kl_sums,
             "nft_r": float(st["r"].sum()),
             "fm_mse": float(st["fm_mse"].sum()),
             "old_deviate": float((v.detach().float() - v_old.float()).pow(2).flatten(1).mean(1).sum()),
@@ -212,7 +215,7 @@ class NFTObjective:
 
 
 register_objective(
-    "nft", lambda o, cfg: NFTObjective(o), NFTOptions,
+    "nft", lambda o, cfg: NFTObjective(o, base_kl_enabled(cfg)), NFTOptions,
     "DiffusionNFT: implicit positive/negative velocities on the forward process of the model's samples "
     "(ODE rollouts).",
 )

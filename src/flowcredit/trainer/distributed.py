@@ -321,6 +321,26 @@ def systematic_steps(n: int, k: int, u: float) -> list[int]:
     return [min(n - 1, int(math.floor((u + i) * stride))) for i in range(k)]
 
 
+def awm_strata(n: int, k: int) -> list[tuple[int, int]]:
+    """The k strata [lo_i, hi_i) of AWM's time draw over the steps 1..n−1 (step 0 never trained):
+    lo_i = ⌊1 + i·(n−1)/k⌋, hi_i = ⌊1 + (i+1)·(n−1)/k⌋ in exact integer arithmetic (AWM: the floors of the float32
+    `torch.linspace(1, n, k + 1)`, the same for the released 12 trainable steps and k = 6: [1,2), [2,4), [4,6), [6,8),
+    [8,10), [10,12); they differ only where float32 rounds a boundary just under an integer, e.g. n = 29, k = 26).
+    1 ≤ k ≤ n − 1 keeps every stratum non-empty and the strata disjoint."""
+    if not 1 <= k <= n - 1:
+        raise ValueError(f"sampler.train_step_draw=awm needs 1 ≤ train_steps_per_sample ≤ {n - 1}, got {k}")
+    return [(1 + i * (n - 1) // k, 1 + (i + 1) * (n - 1) // k) for i in range(k)]
+
+
+def awm_steps(n: int, k: int, u: torch.Tensor) -> list[int]:
+    """AWM's stratified draw (`time_type = discrete_wo_init`, scxue/advantage_weighted_matching
+    `scripts/train_sd3_awm.py` @ be51372): one index from each stratum of `awm_strata(n, k)`, lo_i + ⌊u_i·(hi_i −
+    lo_i)⌋ for the k uniforms u (k,) float32 in [0, 1), as `lower_bounds + (rand_u * (upper_bounds −
+    lower_bounds)).long()`. Index j of stratum i is drawn with probability 1/(hi_i − lo_i); index 0 never."""
+    lo, hi = (torch.tensor(v, dtype=torch.long) for v in zip(*awm_strata(n, k)))
+    return (lo + (u.float() * (hi - lo)).long()).tolist()
+
+
 def step_draw_window(
     step_draw: str, num_steps: int, timestep_fraction: float, steps_per_sample: int
 ) -> tuple[float, int]:
@@ -333,6 +353,7 @@ def step_draw_window(
     probability int(T·f)/T. This is DiffusionNFT's draw (NVlabs/DiffusionNFT `scripts/train_nft_sd3.py` @ 24af555:
     per sample `perms_time = torch.randperm(num_timesteps)` over all `sample.num_steps` grid times, and the first
     `num_train_timesteps = int(num_steps·timestep_fraction)` of the permuted ones are trained: 9 of 10 at 0.99).
+    awm: as random / systematic (the first int(T·f) steps, k of them by `awm_steps`, never step 0).
     """
     if step_draw == "nft":
         return 1.0, int(num_steps * timestep_fraction)
@@ -378,7 +399,16 @@ def plan_update(
     With `step_groups` (B prompt-group ids) the `steps_per_sample` random steps are drawn once per group, so the
     members of a group train the same steps (the forward-process objectives' common random numbers). `step_draw`:
     "random" (k of the n allowed steps without replacement), "systematic" (`systematic_steps`) or "nft" (drawn as
-    "random"; the caller allows all T steps and k = int(T·timestep_fraction), `step_draw_window`).
+    "random"; the caller allows all T steps and k = int(T·timestep_fraction), `step_draw_window`) or "awm" (AWM's
+    stratified draw of k of the n allowed steps, one per stratum of steps 1..n−1, `awm_steps`).
+
+    AWM draws its k indices once per training micro-batch of `train.batch_size` (3) randomly shuffled samples of one
+    GPU and shares them across it (the micro-batch's forward then has one time per block of 3 rows); flowcredit's
+    micro-batches are cut from a seeded order of all pairs, so the draw is keyed instead by the sample (or by the
+    prompt group with `step_groups`, nft's crn), like the other draws: every sample's k indices have AWM's law
+    exactly, and the micro-batch size never changes what is drawn (1 and N processes alike). What is not
+    reproduced is the coupling between the 3 samples of an AWM micro-batch (with one optimizer step per update, as
+    in the released recipe, the gradient is the sum over all pairs, so only that within-triple correlation differs).
 
     `skip_zero_adv` (the objective says an A = 0 pair has exactly zero gradient) drops those pairs from the passes.
     `loss_mean` (optim.loss_mean) says what the loss of an optimizer step is divided by:
@@ -396,8 +426,8 @@ def plan_update(
     """
     if loss_mean not in ("planned", "nonzero"):
         raise ValueError(f"optim.loss_mean={loss_mean!r}; use planned or nonzero")
-    if step_draw not in ("random", "systematic", "nft"):
-        raise ValueError(f"sampler.train_step_draw={step_draw!r}; use random, systematic or nft")
+    if step_draw not in ("random", "systematic", "nft", "awm"):
+        raise ValueError(f"sampler.train_step_draw={step_draw!r}; use random, systematic, nft or awm")
     B, T = adv_global.shape
     mask = step_mask.tolist()
     steps_ok = [j for j in range(T) if mask[j]]
@@ -409,6 +439,8 @@ def plan_update(
             if step_draw == "systematic":
                 u = float(torch.rand((), generator=gen, dtype=torch.float64))
                 picked = systematic_steps(len(steps_ok), steps_per_sample, u)
+            elif step_draw == "awm":
+                picked = awm_steps(len(steps_ok), steps_per_sample, torch.rand(steps_per_sample, generator=gen))
             else:
                 picked = torch.randperm(len(steps_ok), generator=gen)[:steps_per_sample].tolist()
             pairs += [(b, steps_ok[int(i)]) for i in picked]
@@ -470,9 +502,10 @@ def shard_network(net: torch.nn.Module, mesh) -> None:
 
 
 def apply_fsdp(
-    dist: Dist, model, ref_model=None, *, groups_per_rank_even: bool = True
+    dist: Dist, model, ref_model=None, *, groups_per_rank_even: bool = True, more_refs: Sequence[Any] = ()
 ) -> list[torch.nn.Parameter] | None:
-    """``dist.fsdp``: shard ``model.net`` (and the frozen KL reference copy's ``net`` when given) over the processes.
+    """``dist.fsdp``: shard ``model.net`` (and the frozen KL reference copies' ``net``, ``ref_model`` and
+    ``more_refs``, e.g. the base copy of optim.kl_base_beta) over the processes.
 
     Returns the trainable parameters, now DTensor shards (FSDP2 replaces the registered parameters, so a list taken
     before sharding is stale), or None when there is one process: FSDP is then a no-op, with a warning.
@@ -494,8 +527,8 @@ def apply_fsdp(
     names = [n for n, p in net.named_parameters() if p.requires_grad]
     mesh = init_device_mesh(torch.device(dist.device).type, (dist.world_size,))
     shard_network(net, mesh)
-    if ref_model is not None:
-        shard_network(ref_model.net, mesh)  # frozen: only all-gathers, no gradients
+    for ref in ([ref_model] if ref_model is not None else []) + list(more_refs):
+        shard_network(ref.net, mesh)  # frozen: only all-gathers, no gradients
     dist.fsdp = True
     trainable = [p for n, p in net.named_parameters() if p.requires_grad]
     if [n for n, p in net.named_parameters() if p.requires_grad] != names:  # FSDP2 keeps names and order

@@ -154,6 +154,11 @@ class GRPOTrainer(CheckpointMixin):
         moving = cfg.optim.kl_reference == "ema"
         if cfg.optim.kl_beta > 0 and (moving or not hasattr(self.model, "reference")):
             self.ref_model = copy.deepcopy(self.model).requires_grad_(False).eval()
+        # optim.kl_base_beta > 0: a second KL term to the initial weights beside the EMA reference (AWM): for LoRA the
+        # adapter-disabled model (`model.reference()`, no copy), else a second frozen copy
+        self.base_model = None
+        if cfg.optim.kl_base_beta > 0 and not hasattr(self.model, "reference"):
+            self.base_model = copy.deepcopy(self.model).requires_grad_(False).eval()
         self.ref_offload = ReferenceOffload(self.ref_model, self.device, cfg.optim.offload_reference)
         if cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
@@ -164,7 +169,8 @@ class GRPOTrainer(CheckpointMixin):
         if cfg.dist.fsdp:  # shard the network (and the reference copy unless it is offloaded) over the processes
             with _one_line():
                 sharded = apply_fsdp(self.dist, self.model, None if self.ref_offload.enabled else self.ref_model,
-                                     groups_per_rank_even=cfg.data.prompts_per_iter % self.dist.world_size == 0)
+                                     groups_per_rank_even=cfg.data.prompts_per_iter % self.dist.world_size == 0,
+                                     more_refs=[self.base_model] if self.base_model is not None else [])
             self.trainable = sharded if sharded is not None else self.trainable
         self.initial_state = None
         if cfg.run.eval_baseline and cfg.run.eval_at_end:
@@ -384,7 +390,7 @@ class GRPOTrainer(CheckpointMixin):
             self._gathered(adv), traj.step_mask, self.shard, seed=cfg.run.seed, iteration=self.iteration + 1,
             inner_epochs=oc.inner_epochs, updates_per_epoch=oc.updates_per_epoch,
             steps_per_sample=steps_per_sample,
-            skip_zero_adv=obj.skip_zero_advantage(on_policy, oc.kl_beta),
+            skip_zero_adv=obj.skip_zero_advantage(on_policy, oc.kl_beta + oc.kl_base_beta),
             step_groups=self._gathered(traj.group_ids).tolist() if crn else None,
             step_draw=cfg.sampler.train_step_draw, loss_mean=oc.loss_mean,
         )
@@ -402,6 +408,7 @@ class GRPOTrainer(CheckpointMixin):
             iteration=self.iteration + 1, kl_beta=oc.kl_beta, micro_batch=oc.micro_batch, ref_offload=self.ref_offload,
             row_start=self.shard.start, batch_global=self.shard.global_batch,
             old_policy=self._old_weights if self.old_policy is not None else None,
+            kl_base_beta=oc.kl_base_beta, base_reference=self._base_reference if oc.kl_base_beta > 0 else None,
         )
         self.model.train()
         out["_nfe"] += obj.prepare(ctx, [p for chunks in epochs for chunk in chunks for p in chunk.mine])
@@ -510,6 +517,13 @@ class GRPOTrainer(CheckpointMixin):
         `reference()` (Flow-GRPO: `disable_adapter()`)."""
         if self.ref_model is not None:
             return contextlib.nullcontext(self.ref_model)
+        return self.model.reference()
+
+    def _base_reference(self):
+        """Context yielding the initial weights for the second KL term (optim.kl_base_beta): the frozen copy, or the
+        LoRA model with its adapter disabled (AWM's `disable_adapter()`)."""
+        if self.base_model is not None:
+            return contextlib.nullcontext(self.base_model)
         return self.model.reference()
 
     # ------------------------------------------------------------------------------------------- logging / io
