@@ -151,6 +151,19 @@ def test_gradient_checkpointing_same_gradients():
     assert all((a - b).abs().max() <= 1e-6 for a, b in zip(*grads))
 
 
+def test_trainer_switch_turns_on_the_adapters_own_checkpointing_without_a_warning():
+    import warnings
+
+    from flowcredit.trainer.memory import enable_gradient_checkpointing
+
+    m = td.load_adapter(KIND, trainable="lora")
+    assert not m.net.gradient_checkpointing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # was: "SD3FlowModel has no switch; ignored"
+        assert enable_gradient_checkpointing(m) is True
+    assert m.net.gradient_checkpointing
+
+
 def test_bf16_autocast_returns_fp32():
     m = td.load_adapter(KIND, precision="bf16", trainable="lora")
     assert m.net.dtype == torch.bfloat16 and m.vae.dtype == torch.float32

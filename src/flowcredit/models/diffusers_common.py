@@ -272,6 +272,11 @@ class DiffusersFlowModel(nn.Module):
     def device(self) -> torch.device:
         return next(self.net.parameters()).device
 
+    def enable_gradient_checkpointing(self) -> None:
+        """The trainer's `model.gradient_checkpointing` switch (trainer/memory.py): diffusers' own, on the
+        transformer (also turned on at construction when cfg.gradient_checkpointing is set)."""
+        self.net.enable_gradient_checkpointing()
+
     @property
     def has_lora(self) -> bool:
         return bool(getattr(self.net, "_hf_peft_config_loaded", False))
