@@ -282,6 +282,21 @@ def test_checkpoint_and_cli_export_equal_live_export(trained, tmp_path, capsys):
 # ----------------------------------------------------------------------------------------------------- presets
 
 
+def test_trainer_steps_on_the_pipelines_own_grid_with_sampler_grid_model(tmp_path):
+    """sampler.grid=model: the rollout grid is model.time_grid (the scheduler's sigmas with its dynamic shift and
+    terminal stretch), which no uniform grid at any sampler.shift reproduces."""
+    from flowcredit.samplers.schedules import time_grid
+    from flowcredit.trainer.grpo import GRPOTrainer
+
+    tr = GRPOTrainer(tq.train_config("flow_grpo", tmp_path / "run", "sampler.grid=model"))
+    tr.setup()
+    T = tr.cfg.sampler.num_steps
+    own = tr.model.time_grid(T)
+    assert torch.equal(tr.timesteps, own.float().cpu()) and tr.timesteps[0] == 1 and tr.timesteps[-1] == 0
+    uniform = time_grid(T, tr.model.equivalent_shift, "uniform")
+    assert (uniform - own).abs().max() > 1e-3  # the terminal stretch: not the uniform grid at exp(mu)
+
+
 @pytest.mark.parametrize("name", ["qwen_image_flow_grpo", "qwen_image_nft"])
 def test_presets_load_and_mirror_the_recipes(name):
     from flowcredit.cli.main import PRESET_DIR
@@ -292,7 +307,7 @@ def test_presets_load_and_mirror_the_recipes(name):
     mc, s = cfg.model, cfg.sampler
     assert mc.name == "qwen_image" and mc.trainable == "lora" and mc.precision == "bf16" and cfg.run.device == "cuda"
     assert mc.options["resolution"] == 512 and s.guidance_scale == 1.0 and cfg.run.eval_guidance == 1.0
-    assert s.grid == "uniform" and s.shift == pytest.approx(1.7138, abs=1e-4)  # exp(mu) at 512 px (1024 tokens)
+    assert s.grid == "model"  # the pipeline's own sigmas: dynamic shift exp(mu) = 1.7138 at 512 px + terminal stretch
     assert cfg.optim.lr == 3e-4 and cfg.run.eval_steps == 50
     if name == "qwen_image_flow_grpo":  # flow_grpo config/grpo.py:pickscore_qwenimage + scripts/train_qwenimage.py
         assert mc.options["true_cfg_scale"] == 4.0 and mc.options["negative_prompt"] == " "

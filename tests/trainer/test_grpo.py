@@ -250,6 +250,14 @@ def test_zero_variance_groups_skip_update(tmp_path, model_path, method):
     assert all_finite(rec), rec
 
 
+def test_sampler_grid_model_needs_a_model_with_its_own_scheduler(tmp_path, model_path):
+    from flowcredit.trainer.state import TrainingError
+
+    with pytest.raises(TrainingError, match="sampler.grid=model: model.name=tiny has no scheduler of its own"):
+        make_trainer(tmp_path, model_path, "sampler.grid=model")
+    assert not (tmp_path / "run").exists()  # refused before the run folder is written
+
+
 def one_group_constant_reward(images, prompts, metadata, group_ids=None, **kw):
     """Group 0 scored by image mean (distinct rewards), group 1 all 0.5: its advantages are exactly 0."""
     scores = images.float().mean(dim=(1, 2, 3))

@@ -415,7 +415,8 @@ def reward_trajectory_figure(run: Path, png: Path, prompt_index: int = 0, group:
     prompts, meta = [ps.prompts[k]] * group, [ps.metadata[k]] * group
     gids = torch.zeros(group, dtype=torch.long)
     gen = torch.Generator().manual_seed(seed)
-    grid = time_grid(cfg.sampler.num_steps, cfg.sampler.shift, cfg.sampler.grid)
+    grid = (model.time_grid(cfg.sampler.num_steps) if cfg.sampler.grid == "model"
+            else time_grid(cfg.sampler.num_steps, cfg.sampler.shift, cfg.sampler.grid))
     init = make_initial_noise(group, tuple(model.latent_shape), gids, True, gen)
     traj = rollout(
         model,

@@ -110,8 +110,11 @@ class SamplerCfg(SamplerParams):
 
     num_steps: int = _h(10, "Rollout steps T (Flow-GRPO: 10 for training).", ge=1)
     shift: float = _h(3.0, "SD3 timestep shift of the time grid.", gt=0)
-    grid: Literal["uniform", "diffusers"] = _h(
-        "uniform", "Time grid: shifted linspace(1, 0) or diffusers' FlowMatchEulerDiscreteScheduler grid."
+    grid: Literal["uniform", "diffusers", "model"] = _h(
+        "uniform",
+        "Time grid: shifted linspace(1, 0), diffusers' FlowMatchEulerDiscreteScheduler grid at sampler.shift, or "
+        "model = the model's own scheduler sigmas (model.time_grid: its dynamic shift / terminal stretch, what its "
+        "pipeline steps on; diffusers families only, sampler.shift unused).",
     )
     guidance_scale: float = _h(1.0, "CFG scale used in rollout AND loss (one policy velocity function).", ge=0)
     timestep_fraction: float = _h(

@@ -194,7 +194,7 @@ class GRPOTrainer(CheckpointMixin):
         self.lr_schedule = LRSchedule(oc.lr, oc.lr_schedule, oc.lr_final, oc.warmup_iters, decay_iters)
         self.gen = torch.Generator(device="cpu").manual_seed(cfg.run.seed)
         seed_global_rngs(cfg.run.seed, self.dist.rank)  # built: later global draws (a plugin's dropout) per rank
-        self.timesteps = time_grid(cfg.sampler.num_steps, cfg.sampler.shift, cfg.sampler.grid)
+        self.timesteps = self._time_grid()
         self.params = cfg.sampler  # the step parameters (config.schema.SamplerParams is SamplerCfg's base)
         self.credit_state: dict[str, torch.Tensor] = {}
         self.iteration = 0
@@ -503,6 +503,18 @@ class GRPOTrainer(CheckpointMixin):
         elif line["warning"]:
             print(f"note: gold fell at iteration {self.iteration} (per-look test, no alarm): {line['message']}",
                   file=sys.stderr)
+
+    def _time_grid(self) -> torch.Tensor:
+        """(T+1,) rollout grid: sampler.grid = model → the model's own scheduler sigmas (`model.time_grid`), else
+        `samplers.schedules.time_grid` at sampler.shift."""
+        sc = self.cfg.sampler
+        if sc.grid != "model":
+            return time_grid(sc.num_steps, sc.shift, sc.grid)
+        own = getattr(self.model, "time_grid", None)
+        if not callable(own):
+            raise TrainingError(f"sampler.grid=model: model.name={self.cfg.model.name} has no scheduler of its own; "
+                                "use sampler.grid=uniform or diffusers with sampler.shift")
+        return own(sc.num_steps).float().cpu()
 
     def _old_weights(self):
         """Context in which the model holds π_old's weights: the soft-updated copy of nft's old_policy=soft
