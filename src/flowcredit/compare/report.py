@@ -415,7 +415,8 @@ def reward_trajectory_figure(run: Path, png: Path, prompt_index: int = 0, group:
     prompts, meta = [ps.prompts[k]] * group, [ps.metadata[k]] * group
     gids = torch.zeros(group, dtype=torch.long)
     gen = torch.Generator().manual_seed(seed)
-    grid = (model.time_grid(cfg.sampler.num_steps) if cfg.sampler.grid == "model"
+    own_grid = getattr(model, "time_grid", None)  # sampler.grid=model: the model's own scheduler sigmas
+    grid = (own_grid(cfg.sampler.num_steps) if cfg.sampler.grid == "model" and callable(own_grid)
             else time_grid(cfg.sampler.num_steps, cfg.sampler.shift, cfg.sampler.grid))
     init = make_initial_noise(group, tuple(model.latent_shape), gids, True, gen)
     traj = rollout(
