@@ -27,8 +27,9 @@ import copy
 import dataclasses
 import importlib
 import json
+import math
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,34 @@ class DiffusersOptions:
     def kwargs(self) -> dict[str, Any]:
         """The options that are set, as keyword arguments of the adapter's constructor."""
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+# The folder layout of a pipeline with one transformer, one VAE and ONE text encoder + tokenizer (FLUX.2, Qwen-Image,
+# Z-Image, Wan): component folder → the file `check_model_dir` requires in it ("" = any content).
+ONE_TEXT_ENCODER_COMPONENTS = {
+    "transformer": "config.json",
+    "vae": "config.json",
+    "text_encoder": "config.json",
+    "tokenizer": "",
+    "scheduler": "scheduler_config.json",
+}
+
+
+def dynamic_shift_mu(scheduler, image_seq_len: int, calculate_shift) -> float:
+    """The pipelines' resolution-dependent shift exponent mu for `image_seq_len` image tokens: diffusers'
+    `calculate_shift` (the same "Copied from" formula in FluxPipeline, QwenImagePipeline and ZImagePipeline; the
+    caller passes its own pipeline's copy) with the scheduler config's defaults."""
+    c = scheduler.config
+    return float(calculate_shift(image_seq_len, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                                 c.get("base_shift", 0.5), c.get("max_shift", 1.15)))
+
+
+def shift_of(scheduler, mu: Callable[[], float]) -> float:
+    """The SD3-style shift of a scheduler's grid: exp(mu) when it shifts dynamically (mu called only then), else its
+    static `shift`. A terminal stretch (`shift_terminal`) comes on top and has no shift equivalent."""
+    if scheduler.config.get("use_dynamic_shifting", False):
+        return math.exp(mu())
+    return float(scheduler.config.get("shift", 1.0))
 
 
 class DiffusersFlowModel(nn.Module):

@@ -29,7 +29,6 @@ LoRA: flow_grpo's scripts/train_flux.py targets (attention projections + the fee
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +37,7 @@ import torch
 from torch import Tensor
 
 from ..types import Cond
-from .diffusers_common import DiffusersFlowModel, DiffusersOptions
+from .diffusers_common import DiffusersFlowModel, DiffusersOptions, dynamic_shift_mu, shift_of
 
 
 @dataclass
@@ -162,23 +161,12 @@ class FluxFlowModel(DiffusersFlowModel):
         """FluxPipeline's resolution-dependent shift exponent for this image size (calculate_shift)."""
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-        c = self.scheduler.config
-        return float(
-            calculate_shift(
-                self.latent_shape[0],
-                c.get("base_image_seq_len", 256),
-                c.get("max_image_seq_len", 4096),
-                c.get("base_shift", 0.5),
-                c.get("max_shift", 1.15),
-            )
-        )
+        return dynamic_shift_mu(self.scheduler, self.latent_shape[0], calculate_shift)
 
     @property
     def equivalent_shift(self) -> float:
         """The SD3-style shift that reproduces the dynamic-shift grid: exp(mu) (or the scheduler's shift if static)."""
-        if self.scheduler.config.get("use_dynamic_shifting", False):
-            return math.exp(self.mu)
-        return float(self.scheduler.config.get("shift", 1.0))
+        return shift_of(self.scheduler, lambda: self.mu)
 
     def time_grid(self, num_steps: int) -> Tensor:
         """The scheduler's sigmas for `num_inference_steps=num_steps` as FluxPipeline.__call__ sets them."""

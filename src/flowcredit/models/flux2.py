@@ -58,7 +58,7 @@ import torch
 from torch import Tensor, nn
 
 from ..types import Cond
-from .diffusers_common import DiffusersFlowModel, DiffusersOptions, looks_like_hub_id
+from .diffusers_common import ONE_TEXT_ENCODER_COMPONENTS, DiffusersFlowModel, DiffusersOptions, looks_like_hub_id
 
 VARIANTS = ("auto", "dev", "klein")
 PIPELINES = {"dev": "Flux2Pipeline", "klein": "Flux2KleinPipeline"}
@@ -81,13 +81,7 @@ class Flux2Options(DiffusersOptions):
     )
 
 
-FLUX2_COMPONENTS = {
-    "transformer": "config.json",
-    "vae": "config.json",
-    "text_encoder": "config.json",
-    "tokenizer": "",
-    "scheduler": "scheduler_config.json",
-}
+FLUX2_COMPONENTS = ONE_TEXT_ENCODER_COMPONENTS
 
 FLUX2_LORA_TARGETS = (
     # double-stream blocks: image and text attention projections, both SwiGLU feed-forwards

@@ -50,7 +50,13 @@ import torch
 from torch import Tensor, nn
 
 from ..types import Cond
-from .diffusers_common import DiffusersFlowModel, DiffusersOptions
+from .diffusers_common import (
+    ONE_TEXT_ENCODER_COMPONENTS,
+    DiffusersFlowModel,
+    DiffusersOptions,
+    dynamic_shift_mu,
+    shift_of,
+)
 
 
 @dataclass
@@ -69,13 +75,7 @@ class QwenImageOptions(DiffusersOptions):
     )
 
 
-QWEN_IMAGE_COMPONENTS = {
-    "transformer": "config.json",
-    "vae": "config.json",
-    "text_encoder": "config.json",
-    "tokenizer": "",
-    "scheduler": "scheduler_config.json",
-}
+QWEN_IMAGE_COMPONENTS = ONE_TEXT_ENCODER_COMPONENTS
 
 # flow_grpo scripts/train_qwenimage.py (LoRA r64/α128)
 QWEN_IMAGE_LORA_TARGETS = (
@@ -307,26 +307,13 @@ class QwenImageFlowModel(DiffusersFlowModel):
         """QwenImagePipeline's resolution-dependent shift exponent for this image size (calculate_shift)."""
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
-        c = self.scheduler.config
-        return float(
-            calculate_shift(
-                self.latent_shape[0],
-                c.get("base_image_seq_len", 256),
-                c.get("max_image_seq_len", 4096),
-                c.get("base_shift", 0.5),
-                c.get("max_shift", 1.15),
-            )
-        )
+        return dynamic_shift_mu(self.scheduler, self.latent_shape[0], calculate_shift)
 
     @property
     def equivalent_shift(self) -> float:
         """The SD3-style shift of the dynamic-shift grid, exp(mu) (the scheduler's shift if static). The scheduler's
         terminal stretch (`shift_terminal`, Qwen-Image 0.02) comes on top and has no shift equivalent."""
-        import math
-
-        if self.scheduler.config.get("use_dynamic_shifting", False):
-            return math.exp(self.mu)
-        return float(self.scheduler.config.get("shift", 1.0))
+        return shift_of(self.scheduler, lambda: self.mu)
 
     def time_grid(self, num_steps: int) -> Tensor:
         """The scheduler's sigmas for `num_inference_steps=num_steps` as QwenImagePipeline.__call__ sets them."""

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from ..types import Cond
-from .diffusers_common import DiffusersFlowModel, check_model_dir, looks_like_hub_id
+from .diffusers_common import ONE_TEXT_ENCODER_COMPONENTS, DiffusersFlowModel, check_model_dir, looks_like_hub_id
 
 
 @dataclass
@@ -81,13 +81,7 @@ class WanOptions:
 
 
 # component → a file that must exist in its subfolder (the layout of WanPipeline.save_pretrained / the hub repos)
-WAN_COMPONENTS = {
-    "transformer": "config.json",
-    "vae": "config.json",
-    "text_encoder": "config.json",
-    "tokenizer": "",
-    "scheduler": "scheduler_config.json",
-}
+WAN_COMPONENTS = ONE_TEXT_ENCODER_COMPONENTS
 
 # flow_grpo scripts/train_wan2_1.py `target_modules` (names without a prefix: self- and cross-attention alike)
 WAN_LORA_TARGETS = ("add_k_proj", "add_q_proj", "add_v_proj", "to_add_out", "to_k", "to_out.0", "to_q", "to_v")

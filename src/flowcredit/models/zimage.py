@@ -32,7 +32,6 @@ to_k, to_q, to_v, to_out.0), written `attention.*`; they cover the main layers a
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +39,13 @@ import torch
 from torch import Tensor, nn
 
 from ..types import Cond
-from .diffusers_common import DiffusersFlowModel, DiffusersOptions
+from .diffusers_common import (
+    ONE_TEXT_ENCODER_COMPONENTS,
+    DiffusersFlowModel,
+    DiffusersOptions,
+    dynamic_shift_mu,
+    shift_of,
+)
 
 
 @dataclass
@@ -58,13 +63,7 @@ class ZImageOptions(DiffusersOptions):
     )
 
 
-ZIMAGE_COMPONENTS = {
-    "transformer": "config.json",
-    "vae": "config.json",
-    "text_encoder": "config.json",
-    "tokenizer": "",
-    "scheduler": "scheduler_config.json",
-}
+ZIMAGE_COMPONENTS = ONE_TEXT_ENCODER_COMPONENTS
 
 ZIMAGE_LORA_TARGETS = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0")
 
@@ -172,24 +171,13 @@ class ZImageFlowModel(DiffusersFlowModel):
         """ZImagePipeline's calculate_shift(image tokens); used only by a dynamically shifting scheduler."""
         from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift
 
-        c = self.scheduler.config
-        return float(
-            calculate_shift(
-                self.image_seq_len,
-                c.get("base_image_seq_len", 256),
-                c.get("max_image_seq_len", 4096),
-                c.get("base_shift", 0.5),
-                c.get("max_shift", 1.15),
-            )
-        )
+        return dynamic_shift_mu(self.scheduler, self.image_seq_len, calculate_shift)
 
     @property
     def equivalent_shift(self) -> float:
         """The shift of `samplers.schedules.time_grid(T, shift, "uniform")` that is this pipeline's grid: the
         scheduler's static shift (Z-Image 6.0, Turbo 3.0), or exp(mu) when it shifts dynamically."""
-        if self.scheduler.config.get("use_dynamic_shifting", False):
-            return math.exp(self.mu)
-        return float(self.scheduler.config.get("shift", 1.0))
+        return shift_of(self.scheduler, lambda: self.mu)
 
     def time_grid(self, num_steps: int) -> Tensor:
         """The scheduler's sigmas for `num_inference_steps=num_steps` as ZImagePipeline.__call__ sets them."""
