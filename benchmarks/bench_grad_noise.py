@@ -38,7 +38,7 @@ import torch
 from flowcredit.cli.main import PRESET_DIR
 from flowcredit.config import load_config
 from flowcredit.config.schema import TrainConfig
-from flowcredit.trainer.grpo import GRPOTrainer
+from flowcredit.trainer.loop import Trainer
 
 
 def gradients(preset: str, iters: int, threads: int, overrides: list[str]) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
@@ -47,7 +47,7 @@ def gradients(preset: str, iters: int, threads: int, overrides: list[str]) -> tu
     with tempfile.TemporaryDirectory() as d:
         ov = [f"run.out_dir={d}", "run.eval_at_end=false", f"run.threads={threads}", "run.grid_every=0",
               "run.checkpoint_every=100000", "optim.inner_epochs=1", "optim.updates_per_epoch=1", *overrides]
-        tr = GRPOTrainer(load_config(TrainConfig, preset, ov, preset_dirs=[PRESET_DIR]), preset)
+        tr = Trainer(load_config(TrainConfig, preset, ov, preset_dirs=[PRESET_DIR]), preset)
         tr.setup()
         tr.ema = None  # weights never move; keep the EMA out of it
         grads: list[torch.Tensor] = []

@@ -20,7 +20,7 @@ import torch
 from flowcredit.cli.main import PRESET_DIR
 from flowcredit.config import load_config
 from flowcredit.config.schema import TrainConfig
-from flowcredit.trainer.grpo import GRPOTrainer
+from flowcredit.trainer.loop import Trainer
 
 METHODS = {"flow_grpo": "tiny_flow_grpo", "stepwise": "tiny_stepwise", "vgpo": "tiny_vgpo"}
 
@@ -30,7 +30,7 @@ def run(preset: str, iters: int, threads: int, checkpoint: str | None, extra: li
         ov = [f"run.out_dir={d}", "run.eval_at_end=false", f"run.threads={threads}", "run.grid_every=0", "run.checkpoint_every=100000", *extra]
         if checkpoint:
             ov.append(f"model.path={checkpoint}")
-        tr = GRPOTrainer(load_config(TrainConfig, preset, ov, preset_dirs=[PRESET_DIR]), preset)
+        tr = Trainer(load_config(TrainConfig, preset, ov, preset_dirs=[PRESET_DIR]), preset)
         tr.setup()
         rows = [tr.train_step() for _ in range(iters + 1)][1:]
     med = lambda xs: statistics.median(xs)  # noqa: E731

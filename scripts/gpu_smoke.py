@@ -7,7 +7,7 @@ flowcredit's own trainer, with every number a first GPU run must confirm. Nothin
 
 For each family the script writes a diffusers model folder in a temporary directory (random weights; the transformer
 in bf16 from its real config; narrow random text encoders with the real OUTPUT widths and sequence lengths; the real
-VAE), then runs ONE iteration (rollout → reward → credit → update) of `GRPOTrainer` for objective `grpo` and one for
+VAE), then runs ONE iteration (rollout → reward → credit → update) of `Trainer` for objective `grpo` and one for
 `nft`, each from the family's recipe (configs/sd35m_flow_grpo, sd35m_nft, flux1dev_flow_grpo; FLUX.1 has no nft
 recipe: flux1dev_flow_grpo with objective nft, the ODE rollout and DiffusionNFT's KL 1e-4) with LoRA and bf16 as the
 recipe sets them (SD3.5-M r32/α64, FLUX.1 r64/α128), a small batch (1 prompt × G=2), the recipe's T (10 / 6) and
@@ -500,15 +500,15 @@ def run_config(family: str, objective: str, model_dir: Path, run_dir: Path, args
 
 
 def run_objective(family: str, objective: str, model_dir: Path, out: Path, args) -> dict[str, Any]:
-    """Setup + one `train_step` of GRPOTrainer; the prediction, the measurements and (grpo) the log-prob check."""
-    from flowcredit.trainer.grpo import GRPOTrainer
+    """Setup + one `train_step` of Trainer; the prediction, the measurements and (grpo) the log-prob check."""
+    from flowcredit.trainer.loop import Trainer
     from flowcredit.trainer.preflight import DEFAULT_MARGIN, estimate_memory
 
     run_dir = out / "runs" / f"{family}-{objective}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
     cfg, preset, overrides = run_config(family, objective, model_dir, run_dir, args)
-    tr = GRPOTrainer(cfg, preset_name=f"gpu_smoke-{family}-{objective}")
+    tr = Trainer(cfg, preset_name=f"gpu_smoke-{family}-{objective}")
     t0 = time.perf_counter()
     tr.setup()
     setup_s = time.perf_counter() - t0

@@ -32,10 +32,10 @@ def run_preset(preset: str, out_dir: Path) -> list[dict]:
     from flowcredit.cli.main import PRESET_DIR
     from flowcredit.config import load_config
     from flowcredit.config.schema import TrainConfig
-    from flowcredit.trainer.grpo import GRPOTrainer
+    from flowcredit.trainer.loop import Trainer
 
     cfg = load_config(TrainConfig, preset, SMALL + [f"run.out_dir={out_dir}"], preset_dirs=[PRESET_DIR])
-    tr = GRPOTrainer(cfg, preset_name=preset)
+    tr = Trainer(cfg, preset_name=preset)
     tr.setup()
     tr.train()
     return [strip_timing(json.loads(line)) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]

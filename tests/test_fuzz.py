@@ -31,7 +31,7 @@ from typing import Any, Literal
 import pytest
 import torch
 
-import flowcredit.trainer.grpo  # noqa: F401  (imports every component package: the registries are filled)
+import flowcredit.trainer.loop  # noqa: F401  (imports every component package: the registries are filled)
 from flowcredit import checkpoints as ck
 from flowcredit.cli.main import main
 from flowcredit.config.annotations import _init_fields, _is_union, _type_hints

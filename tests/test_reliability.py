@@ -112,7 +112,7 @@ def test_bad_values_through_the_cli(tmp_path, capsys, model_path, override, frag
 
 
 def test_unknown_logger_through_the_cli(tmp_path, capsys, model_path):
-    # one line; NOTE: the run folder is already created when run.loggers is checked (GRPOTrainer.setup)
+    # one line; NOTE: the run folder is already created when run.loggers is checked (Trainer.setup)
     one_error_line(capsys, _small(model_path, tmp_path, "run.loggers=[mlflow]"), 2, "mlflow", "tensorboard")
 
 

@@ -1,6 +1,6 @@
 """`flowcredit sample` / `flowcredit eval` on SD3 and FLUX.1 runs and base models (tiny components, offline).
 
-A LoRA trained for 2 GRPOTrainer iterations (with an EMA) is sampled from its run folder: the CLI's images equal
+A LoRA trained for 2 Trainer iterations (with an EMA) is sampled from its run folder: the CLI's images equal
 flowcredit's own `sample_ode` of the trained model (EMA weights by default, raw ones with --no-ema) on the family's
 own time grid with the same per-line noise, as tensors (--save-tensors) and as the PNG grid. `eval` writes its result
 files with the run's own reward; the base model comes from `model.name=... model.path=...`; bad input is one
@@ -42,14 +42,14 @@ def _guidance(kind: str) -> float:
 @pytest.fixture(scope="module", params=["sd3", "flux"])
 def trained(request, tmp_path_factory):
     """A LoRA run trained for 2 iterations with an EMA of its weights (decay 0.5: EMA ≠ raw weights)."""
-    from flowcredit.trainer.grpo import GRPOTrainer
+    from flowcredit.trainer.loop import Trainer
 
     torch.set_num_threads(1)
     kind = request.param
     run = tmp_path_factory.mktemp(f"run-{kind}")
     cfg = td.train_config(kind, "flow_grpo", run, "optim.ema_decay=0.5", f"run.eval_steps={EVAL_STEPS}",
                           f"run.eval_guidance={_guidance(kind)}")
-    tr = GRPOTrainer(cfg)
+    tr = Trainer(cfg)
     tr.setup()
     tr.train()
     tr.model.eval()

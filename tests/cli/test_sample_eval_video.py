@@ -1,6 +1,6 @@
 """`flowcredit sample` / `flowcredit eval` on a Wan (video) run and the base Wan model (tiny components, offline, CPU).
 
-A LoRA trained for 1 GRPOTrainer iteration is sampled from its run folder: the clips (--save-tensors 'frames') equal
+A LoRA trained for 1 Trainer iteration is sampled from its run folder: the clips (--save-tensors 'frames') equal
 flowcredit's own `sample_ode` + `decode` of the trained model with `generate`'s per-line noise (≤ 1e-6), and so do the
 animated grid and the per-clip animations (lossless animated PNG; GIF readable). `eval` scores each clip with the run's
 own FrameMeanReward, or with an image reward given by name, wrapped frame by frame; it writes the animated samples,
@@ -38,13 +38,13 @@ SIZE = [f"model.options.height={tw.HEIGHT}", f"model.options.width={tw.WIDTH}",
 def trained(tmp_path_factory):
     """A Wan 2.1 LoRA run trained for 1 iteration (lr 1e-2: the adapter moves), CFG 4.5 in its evaluation settings,
     with the trainer's sample grids and end-of-run evaluation on (both take frames)."""
-    from flowcredit.trainer.grpo import GRPOTrainer
+    from flowcredit.trainer.loop import Trainer
 
     torch.set_num_threads(1)
     run = tmp_path_factory.mktemp("run-wan")
     prompts = tmp_path_factory.mktemp("prompts") / "p.txt"
     prompts.write_text("a red cat\na blue dog\n")
-    tr = GRPOTrainer(tw.train_config("flow_grpo", run, "optim.ema_decay=0", "run.iterations=1",
+    tr = Trainer(tw.train_config("flow_grpo", run, "optim.ema_decay=0", "run.iterations=1",
                                      f"run.eval_steps={STEPS}", "run.eval_guidance=4.5", "run.grid_every=1",
                                      "run.eval_at_end=true", f"run.eval_prompts={prompts}"))
     tr.setup()

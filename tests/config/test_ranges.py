@@ -17,7 +17,7 @@ from typing import Optional
 import pytest
 import yaml
 
-import flowcredit.trainer.grpo  # noqa: F401  (every registry, imported as `flowcredit train` does before loading)
+import flowcredit.trainer.loop  # noqa: F401  (every registry, imported as `flowcredit train` does before loading)
 from flowcredit.cli.main import PRESET_DIR
 from flowcredit.config import ConfigError, check_ranges, describe, from_dict, load_config, load_yaml, range_text, to_dict
 from flowcredit.config.load import _walk_fields

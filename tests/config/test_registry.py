@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import flowcredit.models.factory  # noqa: F401  (registers the model families)
-import flowcredit.trainer.grpo  # noqa: F401  (imports every registry, as the CLI does)
+import flowcredit.trainer.loop  # noqa: F401  (imports every registry, as the CLI does)
 from flowcredit.cli.main import PRESET_DIR, main
 from flowcredit.config import ConfigError, load_config
 from flowcredit.config.registry import NoOptions, Registry

@@ -1,4 +1,4 @@
-"""Export: a LoRA trained by flowcredit (GRPOTrainer, 2 iterations) loads into a FRESH stock pipeline with
+"""Export: a LoRA trained by flowcredit (Trainer, 2 iterations) loads into a FRESH stock pipeline with
 `load_lora_weights` and reproduces flowcredit's own ODE samples; `fuse_lora` within 1e-5; full fine-tunes
 round-trip through `save_pretrained` / `from_pretrained`; trainer checkpoints export too.
 """
@@ -35,13 +35,13 @@ def _pipe_samples(pipe, model, x0, guidance):
 
 @pytest.fixture(scope="module", params=["sd3", "flux"])
 def trained(request, tmp_path_factory):
-    """A LoRA trained for 2 iterations by GRPOTrainer (flow_grpo, lr 1e-2 so the adapter moves visibly)."""
-    from flowcredit.trainer.grpo import GRPOTrainer
+    """A LoRA trained for 2 iterations by Trainer (flow_grpo, lr 1e-2 so the adapter moves visibly)."""
+    from flowcredit.trainer.loop import Trainer
 
     torch.set_num_threads(1)
     kind = request.param
     run = tmp_path_factory.mktemp(f"run-{kind}")
-    tr = GRPOTrainer(td.train_config(kind, "flow_grpo", run, "optim.ema_decay=0"))
+    tr = Trainer(td.train_config(kind, "flow_grpo", run, "optim.ema_decay=0"))
     tr.setup()
     tr.train()
     tr.model.eval()

@@ -169,10 +169,10 @@ def test_missing_component_is_named(tmp_path, missing):
 
 @pytest.mark.parametrize("method", ["flow_grpo", "stepwise", "vgpo"])
 def test_methods_train_two_iterations(tmp_path, method):
-    from flowcredit.trainer.grpo import GRPOTrainer
+    from flowcredit.trainer.loop import Trainer
 
     cfg = td.train_config(KIND, method, tmp_path / "run")
-    tr = GRPOTrainer(cfg)
+    tr = Trainer(cfg)
     tr.setup()
     assert tr.model.latent_shape == (64, 16)
     res = tr.train()

@@ -3,7 +3,7 @@ components built from config (tests/models/tiny_flux2.py: offline, CPU, fp32).
 
 What must hold: the adapter's ODE samples are the pipelines' own (same initial latents, the pipelines' sigmas and
 empirical mu, [dev]'s embedded guidance, [klein]'s true CFG) within 1e-4 relative, latents and decoded images; the
-rollout log-probs are recomputed exactly on-policy (ratio 1); LoRA training through GRPOTrainer runs 2 iterations
+rollout log-probs are recomputed exactly on-policy (ratio 1); LoRA training through Trainer runs 2 iterations
 with the grpo and the nft objective; the LoRA export (export, export_checkpoint, `flowcredit export`) loads into a
 FRESH pipeline with `load_lora_weights` and reproduces flowcredit's samples; the presets load and carry the recipe;
 `--help-config` lists the family.
@@ -250,13 +250,13 @@ def test_missing_component_is_named(tmp_path, missing):
 # ---------------------------------------------------------------------------------------------------- training
 @pytest.fixture(scope="module", params=tf.KINDS)
 def trained(request, tmp_path_factory):
-    """A LoRA trained for 2 iterations by GRPOTrainer (objective grpo on flow_sde rollouts; [klein] with CFG 3)."""
-    from flowcredit.trainer.grpo import GRPOTrainer
+    """A LoRA trained for 2 iterations by Trainer (objective grpo on flow_sde rollouts; [klein] with CFG 3)."""
+    from flowcredit.trainer.loop import Trainer
 
     torch.set_num_threads(1)
     kind = request.param
     run = tmp_path_factory.mktemp(f"run-{kind}")
-    tr = GRPOTrainer(tf.train_config(kind, run, "optim.ema_decay=0"))
+    tr = Trainer(tf.train_config(kind, run, "optim.ema_decay=0"))
     tr.setup()
     before = {n: p.detach().clone() for n, p in tr.model.net.named_parameters() if p.requires_grad}
     tr.train()
@@ -280,11 +280,11 @@ def test_grpo_trains_two_lora_iterations(trained):
 
 @pytest.mark.parametrize("kind", tf.KINDS)
 def test_nft_trains_two_lora_iterations(tmp_path, kind):
-    from flowcredit.trainer.grpo import GRPOTrainer
+    from flowcredit.trainer.loop import Trainer
 
     cfg = tf.train_config(kind, tmp_path / "run", "objective.name=nft", "sampler.name=ode",
                           "sampler.guidance_scale=1.0", "optim.kl_beta=1e-4", "run.checkpoint_every=0")
-    tr = GRPOTrainer(cfg)
+    tr = Trainer(cfg)
     tr.setup()
     before = {n: p.detach().clone() for n, p in tr.model.net.named_parameters() if p.requires_grad}
     assert tr.train()["iterations"] == 2

@@ -3,7 +3,7 @@
 What must hold (issue "The models people train now, and the official recipes, exactly", Qwen-Image): the adapter's
 ODE samples are the pipeline's (same init latents, the pipeline's own sigmas with dynamic μ and terminal stretch, its
 true CFG with the negative prompt and the norm rescale) within 1e-4 relative; rollout log-probs are recomputed
-exactly on-policy (ratio 1) with true CFG at batch 1 and 4; LoRA training runs 2 iterations through GRPOTrainer with
+exactly on-policy (ratio 1) with true CFG at batch 1 and 4; LoRA training runs 2 iterations through Trainer with
 objective grpo and nft; the LoRA export (export, export_checkpoint, `flowcredit export`) loads into a FRESH
 QwenImagePipeline with `load_lora_weights` and reproduces flowcredit's samples; the presets load; --help-config lists
 the family.
@@ -193,11 +193,11 @@ def test_missing_component_is_named(tmp_path):
 
 
 def _train(tmp_path, objective: str, *extra: str):
-    from flowcredit.trainer.grpo import GRPOTrainer
+    from flowcredit.trainer.loop import Trainer
 
     over = ["objective.name=nft", "sampler.name=ode"] if objective == "nft" else []
     cfg = tq.train_config("flow_grpo", tmp_path / "run", *over, *extra)
-    tr = GRPOTrainer(cfg)
+    tr = Trainer(cfg)
     tr.setup()
     before = {n: p.detach().clone() for n, p in tr.model.net.named_parameters() if p.requires_grad}
     res = tr.train()
@@ -226,12 +226,12 @@ def test_lora_trains_two_iterations(tmp_path, objective):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A LoRA trained for 2 iterations by GRPOTrainer (flow_grpo, true CFG 4, lr 1e-2 so the adapter moves)."""
-    from flowcredit.trainer.grpo import GRPOTrainer
+    """A LoRA trained for 2 iterations by Trainer (flow_grpo, true CFG 4, lr 1e-2 so the adapter moves)."""
+    from flowcredit.trainer.loop import Trainer
 
     torch.set_num_threads(1)
     run = tmp_path_factory.mktemp("run-qwen-image")
-    tr = GRPOTrainer(tq.train_config("flow_grpo", run, "optim.ema_decay=0"))
+    tr = Trainer(tq.train_config("flow_grpo", run, "optim.ema_decay=0"))
     tr.setup()
     tr.train()
     tr.model.eval()
@@ -286,9 +286,9 @@ def test_trainer_steps_on_the_pipelines_own_grid_with_sampler_grid_model(tmp_pat
     """sampler.grid=model: the rollout grid is model.time_grid (the scheduler's sigmas with its dynamic shift and
     terminal stretch), which no uniform grid at any sampler.shift reproduces."""
     from flowcredit.samplers.schedules import time_grid
-    from flowcredit.trainer.grpo import GRPOTrainer
+    from flowcredit.trainer.loop import Trainer
 
-    tr = GRPOTrainer(tq.train_config("flow_grpo", tmp_path / "run", "sampler.grid=model"))
+    tr = Trainer(tq.train_config("flow_grpo", tmp_path / "run", "sampler.grid=model"))
     tr.setup()
     T = tr.cfg.sampler.num_steps
     own = tr.model.time_grid(T)

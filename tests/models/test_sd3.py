@@ -2,7 +2,7 @@
 
 What must hold (issue F): the adapter's ODE samples are the pipeline's (max |Δ| ≤ 1e-5), with and without CFG;
 rollout log-probs are recomputed exactly on-policy (ratio 1) with CFG at batch 1 and 4; LoRA reference = adapter
-disabled; every method trains 2 iterations through GRPOTrainer; a folder missing a component is named.
+disabled; every method trains 2 iterations through Trainer; a folder missing a component is named.
 """
 
 from __future__ import annotations
@@ -224,10 +224,10 @@ def _load(path):
 
 @pytest.mark.parametrize("method", ["flow_grpo", "stepwise", "vgpo"])
 def test_methods_train_two_iterations(tmp_path, method):
-    from flowcredit.trainer.grpo import GRPOTrainer
+    from flowcredit.trainer.loop import Trainer
 
     cfg = td.train_config(KIND, method, tmp_path / "run")
-    tr = GRPOTrainer(cfg)
+    tr = Trainer(cfg)
     tr.setup()
     before = {n: p.detach().clone() for n, p in tr.model.net.named_parameters() if p.requires_grad}
     res = tr.train()

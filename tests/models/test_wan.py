@@ -4,7 +4,7 @@ What must hold: the protocol latent is the pipeline's 5-D video latent (C, F, h,
 adapter's ODE samples are the pipeline's (with its Euler scheduler of the hub's flow shift) within 1e-4 relative,
 with and without CFG, for the Wan 2.1 and the Wan 2.2 TI2V-5B (per-token timesteps) layouts; decode returns the
 pipeline's frames; rollout log-probs are recomputed exactly on-policy (ratio 1) with CFG; LoRA trains 2 iterations
-through GRPOTrainer with the grpo and the nft objectives, frames scored by an image reward through FrameMeanReward;
+through Trainer with the grpo and the nft objectives, frames scored by an image reward through FrameMeanReward;
 the LoRA export (live, checkpoint, CLI) loads into a fresh WanPipeline and reproduces flowcredit's samples; the
 presets load; a two-expert Wan 2.2 A14B folder is refused in one line.
 """
@@ -201,12 +201,12 @@ def _records(run: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A LoRA trained for 2 iterations by GRPOTrainer (flow_grpo + grpo, CFG 4.5, lr 1e-2 so the adapter moves)."""
-    from flowcredit.trainer.grpo import GRPOTrainer
+    """A LoRA trained for 2 iterations by Trainer (flow_grpo + grpo, CFG 4.5, lr 1e-2 so the adapter moves)."""
+    from flowcredit.trainer.loop import Trainer
 
     torch.set_num_threads(1)
     run = tmp_path_factory.mktemp("run-wan")
-    tr = GRPOTrainer(tw.train_config("flow_grpo", run, "optim.ema_decay=0"))
+    tr = Trainer(tw.train_config("flow_grpo", run, "optim.ema_decay=0"))
     tr.setup()
     before = {n: p.detach().clone() for n, p in tr.model.net.named_parameters() if p.requires_grad}
     res = tr.train()
@@ -233,11 +233,11 @@ def test_grpo_trains_two_lora_iterations_on_video_latents(trained):
 def test_nft_trains_two_lora_iterations_on_video_latents(tmp_path, method):
     """The forward-process objective on 5-D latents; with stepwise credit the x̂0 estimates are decoded to frames
     and scored through FrameMeanReward too (trainer/intermediate.py)."""
-    from flowcredit.trainer.grpo import GRPOTrainer
+    from flowcredit.trainer.loop import Trainer
 
     cfg = tw.train_config(method, tmp_path / "run", "objective.name=nft", "sampler.name=ode",
                           "sampler.guidance_scale=1.0", "optim.kl_beta=1e-4", "run.checkpoint_every=0")
-    tr = GRPOTrainer(cfg)
+    tr = Trainer(cfg)
     tr.setup()
     before = {n: p.detach().clone() for n, p in tr.model.net.named_parameters() if p.requires_grad}
     assert tr.train()["iterations"] == 2

@@ -3,7 +3,7 @@
 What must hold: the adapter's ODE samples are the pipeline's (same initial latents, the pipeline's own sigmas and
 shift / μ, its CFG form c + g·(c − u) with g = w − 1), ≤ 1e-4 relative; the ragged Qwen3 prompt embeddings are the
 pipeline's; rollout log-probs are recomputed on-policy (ratio 1) with CFG at batch 1 and 4; LoRA trains 2 iterations
-through GRPOTrainer with the grpo and nft objectives; its export (export / export_checkpoint / `flowcredit export`)
+through Trainer with the grpo and nft objectives; its export (export / export_checkpoint / `flowcredit export`)
 loads with ZImagePipeline.load_lora_weights and reproduces flowcredit's samples; the zimage_nft preset loads and is
 the sd35m_nft recipe with Z-Image's pipeline settings; `--help-config` lists the family.
 """
@@ -202,18 +202,18 @@ def test_missing_component_is_named(tmp_path, missing):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Training through GRPOTrainer (LoRA, 2 iterations) and the LoRA export
+# Training through Trainer (LoRA, 2 iterations) and the LoRA export
 # ---------------------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A LoRA trained for 2 iterations by GRPOTrainer (flow_grpo credit, grpo objective, CFG w=2, lr 1e-2)."""
-    from flowcredit.trainer.grpo import GRPOTrainer
+    """A LoRA trained for 2 iterations by Trainer (flow_grpo credit, grpo objective, CFG w=2, lr 1e-2)."""
+    from flowcredit.trainer.loop import Trainer
 
     torch.set_num_threads(1)
     run = tmp_path_factory.mktemp("run-zimage")
-    tr = GRPOTrainer(tz.train_config("flow_grpo", run, "optim.ema_decay=0"))
+    tr = Trainer(tz.train_config("flow_grpo", run, "optim.ema_decay=0"))
     tr.setup()
     before = {n: p.detach().clone() for n, p in tr.model.net.named_parameters() if p.requires_grad}
     res = tr.train()
@@ -241,11 +241,11 @@ def test_grpo_trains_two_iterations_with_lora(trained):
 
 
 def test_nft_trains_two_iterations_with_lora(tmp_path):
-    from flowcredit.trainer.grpo import GRPOTrainer
+    from flowcredit.trainer.loop import Trainer
 
     cfg = tz.train_config("flow_grpo", tmp_path / "run", "objective.name=nft", "sampler.name=ode",
                           "sampler.guidance_scale=1.0", "optim.kl_beta=1e-4")
-    tr = GRPOTrainer(cfg)
+    tr = Trainer(cfg)
     tr.setup()
     before = {n: p.detach().clone() for n, p in tr.model.net.named_parameters() if p.requires_grad}
     assert tr.train()["iterations"] == 2 and tr.cfg.objective.name == "nft"

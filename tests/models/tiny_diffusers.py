@@ -288,7 +288,7 @@ def save_sd35m_sized(directory: str | Path, device: str = "cuda", seed: int = 0)
 def benchmark(model_dir: str | Path, out_dir: str | Path, *, device: str = "cuda", methods=("flow_grpo", "stepwise", "vgpo"),
               resolution: int = 512, group_size: int = 8, num_steps: int = 10, iterations: int = 2,
               overrides: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """Time GRPOTrainer iterations of each method on an SD3 folder (LoRA r32/α64, bf16, CFG 4.5, T=10, G=8).
+    """Time Trainer iterations of each method on an SD3 folder (LoRA r32/α64, bf16, CFG 4.5, T=10, G=8).
 
     Returns one dict per method with the LAST iteration's seconds per phase, s/iteration and peak GPU memory (GiB).
     """
@@ -296,7 +296,7 @@ def benchmark(model_dir: str | Path, out_dir: str | Path, *, device: str = "cuda
 
     from flowcredit.config.load import load_config
     from flowcredit.config.schema import TrainConfig
-    from flowcredit.trainer.grpo import GRPOTrainer
+    from flowcredit.trainer.loop import Trainer
 
     rows = []
     for method in methods:
@@ -311,7 +311,7 @@ def benchmark(model_dir: str | Path, out_dir: str | Path, *, device: str = "cuda
         ]
         cfg = load_config(TrainConfig, None, args)
         cfg.model.options = {"resolution": resolution}
-        tr = GRPOTrainer(cfg)
+        tr = Trainer(cfg)
         tr.setup()
         cuda = device.startswith("cuda") and torch.cuda.is_available()
         if cuda:

@@ -1,5 +1,5 @@
 """scripts/gpu_smoke.py, the first thing to run on a new GPU box: its `--small` version on CPU (the same code as the
-real-size run: model folders built from config, one GRPOTrainer iteration of grpo and of nft per family, the
+real-size run: model folders built from config, one Trainer iteration of grpo and of nft per family, the
 preflight's prediction vs the measured memory, seconds per phase, the on-policy ratio, bf16 vs fp32 log-probs) and
 its PASS/FAIL logic on made-up results. ≈ 15-20 s on 2 CPU cores."""
 

@@ -12,5 +12,5 @@ import dist_script as ds  # noqa: E402
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    """A small random tiny model saved once per module (test_grpo.py defines its own)."""
+    """A small random tiny model saved once per module (test_loop.py defines its own)."""
     return ds.make_model(tmp_path_factory.mktemp("model"))

@@ -83,7 +83,7 @@ class SigtermAtIteration2Reward(ImageMeanReward):
 
 
 def make_model(directory: Path) -> Path:
-    """A random width-32 tiny model with perturbed zero-init layers (as in test_grpo.py)."""
+    """A random width-32 tiny model with perturbed zero-init layers (as in test_loop.py)."""
     from flowcredit.models.tiny import TinyDiTConfig, TinyFlowModel
 
     torch.manual_seed(0)
@@ -116,7 +116,7 @@ def default_job_overrides(out_dir, *extra: str) -> list[str]:
 def make_trainer(model_path, out_dir, *extra: str, reward=image_mean_reward):
     """The trainer of the test run; ``model_path="default"`` is the default job (`default_job_overrides`, its own
     shapes reward), else the tiny test run on the model at `model_path`."""
-    from flowcredit.trainer.grpo import GRPOTrainer
+    from flowcredit.trainer.loop import Trainer
 
     if str(model_path) == "default":
         cfg = load_config(TrainConfig, "tiny_nft", default_job_overrides(out_dir, *extra), preset_dirs=[PRESET_DIR])
@@ -124,7 +124,7 @@ def make_trainer(model_path, out_dir, *extra: str, reward=image_mean_reward):
     else:
         cfg = load_config(TrainConfig, "tiny_flow_grpo", overrides(model_path, out_dir, *extra),
                           preset_dirs=[PRESET_DIR])
-    tr = GRPOTrainer(cfg, preset_name="test")
+    tr = Trainer(cfg, preset_name="test")
     tr.setup()
     if reward is not None:
         tr.reward_fn = reward

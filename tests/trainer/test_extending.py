@@ -18,7 +18,7 @@ from flowcredit.samplers.policy import policy_velocity
 from flowcredit.config import ConfigError, load_config
 from flowcredit.config.schema import TrainConfig
 from flowcredit.rewards.base import RewardOutput
-from flowcredit.trainer.grpo import GRPOTrainer
+from flowcredit.trainer.loop import Trainer
 from flowcredit.types import cond_index
 
 CALLS = {"credit": 0, "loss": 0}
@@ -99,7 +99,7 @@ def test_toy_credit_and_toy_objective_train_two_iterations(tmp_path, model_path)
         "objective.name=toy_rwr",
         "objective.options={scale: 2.0}", "sampler.name=ode", "run.iterations=2", "sampler.train_steps_per_sample=0",
     ], preset_dirs=[presets])
-    tr = GRPOTrainer(cfg, preset_name="test")
+    tr = Trainer(cfg, preset_name="test")
     tr.setup()
     tr.reward_fn = image_mean_reward
     before = [p.detach().clone() for p in tr.trainable]

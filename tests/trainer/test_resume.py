@@ -166,7 +166,7 @@ def test_damaged_latest_checkpoint_is_skipped(tmp_path, model_path, damage):
 
 def test_all_checkpoints_damaged_is_an_error_not_a_restart(tmp_path, model_path, capsys):
     from flowcredit.cli.main import main
-    from flowcredit.trainer.grpo import TrainingError
+    from flowcredit.trainer.loop import TrainingError
 
     d = _two_checkpoints(tmp_path, model_path, "run")
     for p in d.glob("iter*/tensors.safetensors"):

@@ -76,13 +76,13 @@ def test_two_runs_of_one_command_are_identical_tiny(tmp_path, model_path, traina
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
 def test_two_runs_of_one_command_are_identical_lora_diffusers(tmp_path, kind):
-    from flowcredit.trainer.grpo import GRPOTrainer
+    from flowcredit.trainer.loop import Trainer
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
     import tiny_diffusers as td
 
     def make(out):
-        tr = GRPOTrainer(td.train_config(kind, "flow_grpo", out, "run.seed=5", "run.checkpoint_every=0"))
+        tr = Trainer(td.train_config(kind, "flow_grpo", out, "run.seed=5", "run.checkpoint_every=0"))
         tr.setup()
         return tr
 

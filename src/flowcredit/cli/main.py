@@ -75,7 +75,7 @@ def cmd_train(ns) -> int:
     from ..config import ConfigError, describe
     from ..config.schema import TrainConfig
     from ..trainer.faults import RunStopped
-    from ..trainer.grpo import GRPOTrainer, TrainingError
+    from ..trainer.loop import Trainer, TrainingError
 
     if ns.help_config:  # the schema, then every registry's implementations and their options (generated)
         from ..config.registry import describe_registries
@@ -89,7 +89,7 @@ def cmd_train(ns) -> int:
         bad_device = _device_problem(cfg.run.device)
         if bad_device:
             return _fail(bad_device)
-        trainer = GRPOTrainer(cfg, preset_name=name)
+        trainer = Trainer(cfg, preset_name=name)
         trainer.setup()
     except (ConfigError, TrainingError, ValueError, FileNotFoundError, NotImplementedError) as e:
         return _fail(str(e))

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-# re-exported while trainer/grpo.py imports them from here; their home is trainer/memory.py
+# re-exported while trainer/loop.py imports them from here; their home is trainer/memory.py
 from .memory import (  # noqa: F401
     OffloadedAdamW,
     ReferenceOffload,

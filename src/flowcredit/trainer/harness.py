@@ -1,6 +1,6 @@
 """The harness around the training loop: small stateful objects, each with `state_dict` / `load_state_dict`.
 
-The loop (`trainer/grpo.py`) is rollout → reward → credit → objective loss → optimizer step → log → checkpoint; what
+The loop (`trainer/loop.py`) is rollout → reward → credit → objective loss → optimizer step → log → checkpoint; what
 decides *when* to stop, *which* weights are evaluated and *whether* the reward is being hacked lives here:
 
     PhaseTimer    wall seconds per phase of one iteration (and the test-only fault-injection points)

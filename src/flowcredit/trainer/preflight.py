@@ -1,6 +1,6 @@
 """Memory preflight: a batch too large for memory fails before training starts, in one line, with the estimate.
 
-`check_memory(cfg, model, device)` is called by `GRPOTrainer.setup()` once the model is built (and gradient
+`check_memory(cfg, model, device)` is called by `Trainer.setup()` once the model is built (and gradient
 checkpointing applied), before the optimizer exists and before anything is written. It estimates what one
 iteration adds on `device` beyond the weights already loaded:
 

@@ -1,4 +1,4 @@
-"""Checkpointing of the trainer: every state of a run, saved atomically and loaded exactly (a mixin of GRPOTrainer).
+"""Checkpointing of the trainer: every state of a run, saved atomically and loaded exactly (a mixin of Trainer).
 
 What is saved (`checkpoint_state`): iteration, model weights, optimizer, EMA weights, the moving KL reference's and
 the soft-updated π_old's weights (optim.kl_reference=ema, nft old_policy=soft), model config (and the tiny model's
@@ -32,9 +32,9 @@ class TrainingError(RuntimeError):
 
 
 class CheckpointMixin:
-    """Save/load of a GRPOTrainer's full state; expects the attributes set by `GRPOTrainer.setup()`."""
+    """Save/load of a Trainer's full state; expects the attributes set by `Trainer.setup()`."""
 
-    # The host's attributes this mixin reads and writes (annotations only: set by `GRPOTrainer.setup()`).
+    # The host's attributes this mixin reads and writes (annotations only: set by `Trainer.setup()`).
     cfg: TrainConfig
     iteration: int
     model: Any  # the FlowModel being trained (an nn.Module with .net and .cfg)
@@ -52,7 +52,7 @@ class CheckpointMixin:
     out: Path
     metrics_f: Any  # metrics.jsonl, open on rank 0 (None elsewhere)
     loggers: list[Any]
-    ema: list[torch.Tensor] | None  # the EMA weights in the order of `trainable` (a property of GRPOTrainer)
+    ema: list[torch.Tensor] | None  # the EMA weights in the order of `trainable` (a property of Trainer)
     moving_ref: MovingReference | None  # optim.kl_reference=ema: the moving KL reference's trainable weights
     old_policy: SoftOldPolicy | None  # nft old_policy=soft: DiffusionNFT's soft-updated π_old (trainable weights)
 

@@ -99,8 +99,8 @@ class Rollout:
     images: Any = None
 
 
-class GRPOTrainer(CheckpointMixin):
-    """Flow-GRPO-family trainer. `setup()` builds everything and validates inputs before anything is written;
+class Trainer(CheckpointMixin):
+    """The trainer of every credit × objective pair. `setup()` builds everything and validates inputs before anything is written;
     `train()` runs the loop; `save_checkpoint()` / `load_checkpoint()` persist every state."""
 
     def __init__(self, cfg: TrainConfig, preset_name: str = "custom"):

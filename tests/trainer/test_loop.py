@@ -1,4 +1,4 @@
-"""GRPOTrainer end to end on a small random tiny model (CPU, fp32): on-policy log-prob parity, every trainable
+"""Trainer end to end on a small random tiny model (CPU, fp32): on-policy log-prob parity, every trainable
 parameter updated, micro-batch invariance of the gradient, zero-variance groups, run folder, methods, resume."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from flowcredit.rewards.base import RewardOutput
 from flowcredit.samplers.policy import policy_velocity
 from flowcredit.samplers.sde import sampler_step
 from flowcredit.trainer import checkpoint
-from flowcredit.trainer.grpo import GRPOTrainer
+from flowcredit.trainer.loop import Trainer
 
 P, G, T = 2, 2, 3  # prompts per iteration, group size, rollout steps
 B = P * G
@@ -48,7 +48,7 @@ def make_cfg(tmp_path, model_path, *overrides, out="run"):
 
 
 def make_trainer(tmp_path, model_path, *overrides, out="run", reward=None):
-    tr = GRPOTrainer(make_cfg(tmp_path, model_path, *overrides, out=out), preset_name="test")
+    tr = Trainer(make_cfg(tmp_path, model_path, *overrides, out=out), preset_name="test")
     tr.setup()
     if reward is not None:
         tr.reward_fn = reward
@@ -541,7 +541,7 @@ SOFT = (*NFT, "objective.options.old_policy=soft", "objective.options.old_decay_
 
 
 def test_nft_soft_old_policy_samples_the_rollout_and_soft_updates(tmp_path, model_path, monkeypatch):
-    import flowcredit.trainer.grpo as grpo_module
+    import flowcredit.trainer.loop as grpo_module
 
     tr = make_trainer(tmp_path, model_path, *SOFT, reward=image_mean_reward)
     names = tr.trainable_names
@@ -614,7 +614,7 @@ def test_nft_soft_old_policy_without_decay_trains_as_the_current_policy(tmp_path
 
 def test_nft_soft_old_policy_estimates_step_rewards_with_the_old_weights(tmp_path, model_path, monkeypatch):
     # step-level credit (stepwise, 2-substep x̂0 estimates that call the model): the estimates see π_old's weights
-    import flowcredit.trainer.grpo as grpo_module
+    import flowcredit.trainer.loop as grpo_module
 
     tr = make_trainer(tmp_path, model_path, *SOFT, "method=stepwise", "estimate.substeps=2", reward=image_mean_reward)
     real, seen = grpo_module.intermediate_rewards, []
@@ -685,7 +685,7 @@ def test_budget_prediction_uses_the_measured_rates(tmp_path, model_path, monkeyp
     fwd = tr.eval_forwards()
     assert fwd == len(tr.eval_prompts) * tr.cfg.run.eval_steps  # trained model only
     now = tr.t_created + 30.0
-    monkeypatch.setattr("flowcredit.trainer.grpo.time.time", lambda: now)
+    monkeypatch.setattr("flowcredit.trainer.loop.time.time", lambda: now)
     # 30 s elapsed + 5 s per iteration + (1.1 · fwd / rate + 10 s) of evaluation vs a 60 s budget
     fits = fwd / ((60 - 30 - 5 - 10 - 1) / 1.1)  # a rate that leaves 1 s spare
     assert tr.over_budget([5.0, 5.0, 5.0], [fits, fits]) is False
@@ -758,7 +758,7 @@ AWM_BOTH = ("objective.name=awm", "sampler.name=ode", "sampler.num_steps=5", "sa
 
 
 def test_awm_two_kl_terms_and_awm_step_draw_train(tmp_path, model_path, monkeypatch):
-    import flowcredit.trainer.grpo as grpo_mod
+    import flowcredit.trainer.loop as grpo_mod
 
     tr = make_trainer(tmp_path, model_path, *AWM_BOTH, "run.iterations=2", reward=image_mean_reward)
     assert tr.base_model is not None and tr.ref_model is not None and tr.base_model is not tr.ref_model
