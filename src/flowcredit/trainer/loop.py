@@ -100,8 +100,8 @@ class Rollout:
 
 
 class Trainer(CheckpointMixin):
-    """The trainer of every credit × objective pair. `setup()` builds everything and validates inputs before anything is written;
-    `train()` runs the loop; `save_checkpoint()` / `load_checkpoint()` persist every state."""
+    """The trainer of every credit × objective pair. `setup()` builds everything and validates inputs before
+    anything is written; `train()` runs the loop; `save_checkpoint()` / `load_checkpoint()` persist every state."""
 
     def __init__(self, cfg: TrainConfig, preset_name: str = "custom"):
         self.cfg = cfg
