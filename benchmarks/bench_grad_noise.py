@@ -57,7 +57,7 @@ def gradients(preset: str, iters: int, threads: int, overrides: list[str]) -> tu
 
         tr.opt.step = record  # the optimizer step becomes a recorder: every iteration sees the same weights
         while len(grads) < iters:  # an iteration whose pairs all have zero advantage records nothing
-            tr.train_step()
+            tr.train_step().metrics()
             tr.iteration += 1  # next iteration: new prompts and new noise
         B = tr.cfg.data.prompts_per_iter * tr.cfg.data.group_size
         net = getattr(tr.model, "net", None)

@@ -32,7 +32,7 @@ def run(preset: str, iters: int, threads: int, checkpoint: str | None, extra: li
             ov.append(f"model.path={checkpoint}")
         tr = Trainer(load_config(TrainConfig, preset, ov, preset_dirs=[PRESET_DIR]), preset)
         tr.setup()
-        rows = [tr.train_step() for _ in range(iters + 1)][1:]
+        rows = [tr.train_step().metrics() for _ in range(iters + 1)][1:]
     med = lambda xs: statistics.median(xs)  # noqa: E731
     phases = sorted({k for r in rows for k in r["seconds"]})
     return {

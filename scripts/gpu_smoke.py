@@ -432,7 +432,7 @@ def logp_precision_check(tr, max_steps: int = MAX_CHECK_STEPS) -> dict[str, Any]
     model, cfg = tr.model, tr.cfg
     model.eval()
     with torch.no_grad():
-        ro = tr.rollout({})
+        ro = tr.rollout()
         traj = ro.traj
         steps = [j for j in range(traj.num_steps) if bool(traj.step_mask[j])]
         if len(steps) > max_steps:
@@ -517,7 +517,7 @@ def run_objective(family: str, objective: str, model_dir: Path, out: Path, args)
         before = _fingerprint(tr.trainable)
         with PeakMemory(str(tr.device)) as mem:
             t1 = time.perf_counter()
-            stats = tr.train_step()
+            stats = tr.train_step().metrics()
             step_s = time.perf_counter() - t1
         tr.iteration += 1
         tr.log(stats)  # the run folder's metrics.jsonl, as `flowcredit train` writes it

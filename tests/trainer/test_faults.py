@@ -81,10 +81,10 @@ def test_nonfinite_gradients_skip_the_optimizer_step(tmp_path, model_path, capsy
     p = tr.trainable[0]
     p.register_hook(lambda g: g * float("inf") if tr.iteration == 0 else g)
     before = weights(tr)
-    tr.train_step()
+    tr.train_step().metrics()
     assert all(torch.equal(before[k], v) for k, v in weights(tr).items())
     tr.iteration += 1
-    stats = tr.train_step()
+    stats = tr.train_step().metrics()
     assert stats.get("skipped_update", 0) == 0 and tr.nonfinite.consecutive == 0 and tr.nonfinite.total == 1
     assert "non-finite gradients at iteration 1" in capsys.readouterr().err
 

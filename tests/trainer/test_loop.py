@@ -77,17 +77,19 @@ class ShapesPlusMean:
 
 
 def spy_update(tr):
-    """Wrap tr.update to record its inputs (and run a check before the optimizer touches the weights)."""
+    """Wrap tr.plan_update to record the update's inputs (and run a check before the optimizer touches the
+    weights)."""
     seen: dict = {}
-    orig = tr.update
+    orig = tr.plan_update
 
-    def wrapped(traj, adv, cond, uncond):
-        seen.update(traj=traj, adv=adv.clone(), cond=cond, uncond=uncond)
+    def wrapped(ro, credit):
+        traj, adv = ro.traj, credit.advantages
+        seen.update(traj=traj, adv=adv.clone(), cond=ro.cond, uncond=ro.uncond)
         if "before" in seen:
-            seen["before"](traj, adv, cond, uncond)
-        return orig(traj, adv, cond, uncond)
+            seen["before"](traj, adv, ro.cond, ro.uncond)
+        return orig(ro, credit)
 
-    tr.update = wrapped
+    tr.plan_update = wrapped
     return seen
 
 
@@ -129,7 +131,7 @@ def test_on_policy_logprob_parity(tmp_path, model_path, sampler, guidance):
                 recomputed[j] = step.log_prob
 
     seen["before"] = recompute
-    stats = tr.train_step()
+    stats = tr.train_step().metrics()
     traj = seen["traj"]
     assert traj.step_mask.tolist() == [True] * T_TRAINED + [False] * (T - T_TRAINED)
     assert stats["pairs_trained"] == B * T_TRAINED
@@ -180,7 +182,7 @@ def test_one_step_changes_every_trainable_parameter(tmp_path, model_path, traina
         return orig_step(*a, **k)
 
     tr.opt.step = step_spy
-    stats = tr.train_step()
+    stats = tr.train_step().metrics()
     assert stats["pairs_trained"] > 0 and stats.get("skipped_update", 0) == 0 and stats["grad_norm"] > 0
     trainable_names = {n for n, p in named.items() if p.requires_grad}
     frozen = frozen_by(trainable, named)
@@ -210,7 +212,7 @@ def _grads_of_one_update(tmp_path, model_path, micro_batch):
         out=f"mb{micro_batch}", reward=image_mean_reward,
     )
     tr.opt.step = lambda *a, **k: None  # keep the accumulated gradient and the weights as they are
-    stats = tr.train_step()
+    stats = tr.train_step().metrics()
     return {n: p.grad.detach().clone() for n, p in tr.model.net.named_parameters()}, stats
 
 
@@ -270,7 +272,7 @@ def _grads_and_stats(tmp_path, model_path, out, *overrides, skip=True):
     if not skip:  # compute the zero-advantage pairs too
         tr.objective.skip_zero_advantage = lambda on_policy, kl_beta: False
     tr.opt.step = lambda *a, **k: None  # keep the accumulated gradient
-    stats = tr.train_step()
+    stats = tr.train_step().metrics()
     return {n: p.grad.detach().clone() for n, p in tr.model.net.named_parameters() if p.grad is not None}, stats
 
 
@@ -372,7 +374,7 @@ def test_stepwise_and_vgpo_run(tmp_path, model_path, method, key):
 def test_vgpo_instant_rewards_reuse_rollout_velocities(tmp_path, model_path):
     # One-step Tweedie of x^(j+1) needs v(x^(j+1), t_{j+1}), which the rollout already computed: no extra NFE.
     tr = make_trainer(tmp_path, model_path, "method=vgpo", "estimate.instant_substeps=1", reward=image_mean_reward)
-    stats = tr.train_step()
+    stats = tr.train_step().metrics()
     assert stats["nfe_estimates"] == 0 and stats["reward_calls"] == B + B * (T - 1)
 
 
@@ -464,8 +466,8 @@ def test_kl_reference_initial_stays_the_initial_weights(tmp_path, model_path):
     tr = make_trainer(tmp_path, model_path, "optim.kl_beta=0.1", "optim.lr=1e-3", reward=image_mean_reward)
     assert tr.moving_ref is None
     before = {k: v.clone() for k, v in tr.ref_model.net.state_dict().items()}
-    tr.train_step()
-    tr.train_step()
+    tr.train_step().metrics()
+    tr.train_step().metrics()
     assert all(torch.equal(before[k], v) for k, v in tr.ref_model.net.state_dict().items())
 
 
@@ -475,7 +477,7 @@ def test_kl_reference_ema_follows_the_policy_after_every_step(tmp_path, model_pa
     ref = trainable_of(tr.ref_model, names)
     assert all(torch.equal(r, p) for r, p in zip(ref, trainable_of(tr.model, names)))  # starts at the initial weights
     for _ in range(2):
-        stats = tr.train_step()
+        stats = tr.train_step().metrics()
         theta = trainable_of(tr.model, names)
         ref = [r.lerp(p, 0.5) for r, p in zip(ref, theta)]  # ref ← 0.5·ref + 0.5·θ
         got = trainable_of(tr.ref_model, names)
@@ -511,8 +513,8 @@ def test_kl_reference_ema_with_lora_keeps_a_moving_copy_of_the_adapter(tmp_path,
     assert tr.ref_model is not None and tr.moving_ref is not None  # a copy, not the disabled adapter
     assert all("lora_" in n for n in tr.trainable_names)
     base = {n: p.detach().clone() for n, p in tr.ref_model.net.named_parameters() if "lora_" not in n}
-    first = tr.train_step()
-    second = tr.train_step()
+    first = tr.train_step().metrics()
+    second = tr.train_step().metrics()
     assert first["kl"] == pytest.approx(0.0, abs=1e-12)  # B = 0 at the start: policy = reference
     assert second["kl"] > 0
     named = dict(tr.ref_model.net.named_parameters())
@@ -556,7 +558,7 @@ def test_nft_soft_old_policy_samples_the_rollout_and_soft_updates(tmp_path, mode
     seen = spy_update(tr)
     seen["before"] = lambda *a: at_update.append(trainable_of(tr.model, names))
     theta0 = trainable_of(tr.model, names)
-    first = tr.train_step()
+    first = tr.train_step().metrics()
     tr.iteration += 1
     theta1 = trainable_of(tr.model, names)
     # iteration 1: π_old = θ_0 = θ; every grid time may be trained (train_step_draw=nft), int(3·0.99) = 2 per sample
@@ -567,7 +569,7 @@ def test_nft_soft_old_policy_samples_the_rollout_and_soft_updates(tmp_path, mode
     assert first["old_policy_decay"] == 0.25 and tr.old_policy.steps == 1
     old1 = [a * 0.25 + b * 0.75 for a, b in zip(theta0, theta1)]
     assert all(torch.equal(a, b) for a, b in zip(tr.old_policy.shadow, old1))
-    second = tr.train_step()
+    second = tr.train_step().metrics()
     # iteration 2: the rollout sampled θ_old, not θ_1; the update started from θ_1 again, with v_old ≠ v_θ
     assert all(torch.equal(a, b) for a, b in zip(at_rollout[1], old1))
     assert any(not torch.equal(a, b) for a, b in zip(at_rollout[1], theta1))
@@ -624,10 +626,10 @@ def test_nft_soft_old_policy_estimates_step_rewards_with_the_old_weights(tmp_pat
         return real(model, *args, **kwargs)
 
     monkeypatch.setattr(grpo_module, "intermediate_rewards", spy)
-    tr.train_step()
+    tr.train_step().metrics()
     tr.iteration += 1
     old = [t.clone() for t in tr.old_policy.shadow]
-    stats = tr.train_step()
+    stats = tr.train_step().metrics()
     assert all(torch.equal(a, b) for a, b in zip(seen[1], old)) and math.isfinite(stats["loss"])
 
 
@@ -637,9 +639,9 @@ def test_nft_soft_old_policy_with_lora_keeps_a_second_adapter(tmp_path, model_pa
                       "optim.lr=1e-2", reward=image_mean_reward)
     assert tr.trainable_names and all("lora_" in n for n in tr.trainable_names)
     assert [t.shape for t in tr.old_policy.shadow] == [p.shape for p in tr.trainable]  # the adapter only
-    tr.train_step()
+    tr.train_step().metrics()
     tr.iteration += 1
-    assert tr.train_step()["old_deviate"] > 0
+    assert tr.train_step().metrics()["old_deviate"] > 0
 
 
 def test_awm_released_recipe_trains_with_the_ramped_ema_reference(tmp_path, model_path):
@@ -654,7 +656,7 @@ def test_awm_released_recipe_trains_with_the_ramped_ema_reference(tmp_path, mode
     names = tr.trainable_names
     ref = trainable_of(tr.ref_model, names)
     for k in (1, 2):
-        stats = tr.train_step()
+        stats = tr.train_step().metrics()
         tr.iteration += 1
         d = min(0.1 * k, 0.3)
         ref = [r.lerp(p, 1 - d) for r, p in zip(ref, trainable_of(tr.model, names))]
@@ -703,14 +705,14 @@ def test_lr_schedule_sets_the_optimizer_lr_each_update(tmp_path, model_path):
     )
     lrs = []
     for i in range(4):
-        stats = tr.train_step()
+        stats = tr.train_step().metrics()
         tr.iteration += 1
         lrs.append(stats["lr"])
         assert tr.opt.param_groups[0]["lr"] == pytest.approx(stats["lr"])
     assert lrs == pytest.approx([1e-3 * 0.5 * (1 + math.cos(math.pi * i / 4)) for i in range(4)])
     # the constant default never touches the optimizer's lr and logs none (golden runs unchanged)
     tr2 = make_trainer(tmp_path, model_path, "optim.lr=1e-3", reward=image_mean_reward, out="run2")
-    assert "lr" not in tr2.train_step() and tr2.opt.param_groups[0]["lr"] == 1e-3
+    assert "lr" not in tr2.train_step().metrics() and tr2.opt.param_groups[0]["lr"] == 1e-3
 
 
 def test_lr_decay_iterations_sets_the_schedules_length_not_the_runs(tmp_path, model_path):
@@ -721,7 +723,7 @@ def test_lr_decay_iterations_sets_the_schedules_length_not_the_runs(tmp_path, mo
     )
     lrs = []
     for _ in range(3):
-        lrs.append(tr.train_step()["lr"])
+        lrs.append(tr.train_step().metrics()["lr"])
         tr.iteration += 1
     assert lrs == pytest.approx([1e-3, 1e-3 * (0.1 + 0.9 * 0.5), 1e-4])
     assert tr.opt.param_groups[0]["lr"] == pytest.approx(1e-4)
@@ -771,7 +773,7 @@ def test_awm_two_kl_terms_and_awm_step_draw_train(tmp_path, model_path, monkeypa
         return plans[-1]
 
     monkeypatch.setattr(grpo_mod, "plan_update", plan_spy)
-    stats = [tr.train_step(), tr.train_step()]
+    stats = [tr.train_step().metrics(), tr.train_step().metrics()]
     assert stats[0]["kl_base"] == pytest.approx(0.0, abs=1e-12)  # θ = the initial weights during the first update
     assert stats[1]["kl_base"] > 0 and stats[1]["kl"] > 0 and all(all_finite(s) for s in stats)
     # the base copy stays the initial weights while the EMA reference moves
@@ -792,8 +794,8 @@ def test_awm_kl_base_with_lora_uses_the_disabled_adapter(tmp_path, model_path):
                       "model.lora_alpha=8", "optim.weight_decay=0", "optim.ema_decay=0", "optim.lr=1e-2",
                       reward=image_mean_reward)
     assert tr.base_model is None  # no copy: `model.reference()` disables the adapter
-    tr.train_step()
-    stats = tr.train_step()
+    tr.train_step().metrics()
+    stats = tr.train_step().metrics()
     assert stats["kl_base"] > 0
 
 

@@ -110,7 +110,7 @@ def test_one_iteration_never_draws_from_the_global_rngs(tmp_path, model_path):
     for preset in (["method=stepwise", "estimate.substeps=2"], ["objective.name=nft", "sampler.name=ode"]):
         tr = ds.make_trainer(model_path, tmp_path / preset[0].replace("=", "_"), *preset)
         before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
-        tr.train_step()
+        tr.train_step().metrics()
         after = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
         assert torch.equal(before[0], after[0]), preset
         assert np.array_equal(before[1], after[1]) and before[2] == after[2], preset

@@ -10,8 +10,8 @@ and timeouts apply to every call.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -76,28 +76,36 @@ def instant_rewards(model, score: Score, traj: Trajectory, cond, uncond, guidanc
     return inst, {"calls": flat.shape[0], "nfe": nfe}
 
 
+@dataclasses.dataclass
+class EstimateCounts:
+    """What the x̂0 estimates of one iteration cost on this rank: images scored and model evaluations."""
+
+    calls: int = 0
+    nfe: int = 0
+
+
 def intermediate_rewards(
     model, score: Score, traj: Trajectory, cond, uncond, cfg, prompts: list, meta: list, gids: Tensor, timer
-) -> tuple[Tensor | None, Tensor | None, dict[str, Any]]:
+) -> tuple[Tensor | None, Tensor | None, EstimateCounts]:
     """ρ (B, T+1) and/or I (B, T) as the credit method `cfg.credit` needs them (None otherwise) and their counts.
 
     I is left None when ρ was computed with the same number of substeps: the credit then uses ρ_{j+1}.
     """
     guidance, est_cfg = cfg.sampler.guidance_scale, cfg.estimate
-    stats: dict[str, Any] = {"reward_calls": 0}
+    counts = EstimateCounts()
     step_rewards = instant = None
     if needs_step_rewards(cfg.credit):
         with timer("estimates"):
             est = trajectory_estimates(
                 model, traj, cond, uncond, guidance, est_cfg.substeps, est_cfg.chunk_size, cfg.shared_noise
             )
-        stats["nfe_estimates"] = est.nfe
+        counts.nfe += est.nfe
         with timer("estimate_rewards"):
             rho, calls = score_states(model, score, est.x0_hat[:, :-1], prompts, meta, gids, cfg.shared_noise)
             rewards = traj.rewards
             assert rewards is not None, "the rollout is scored before its intermediate rewards"
             step_rewards = torch.cat([rho, rewards[:, None]], dim=1)  # ρ_T = R(x0)
-        stats["reward_calls"] += calls
+        counts.calls += calls
         traj.step_rewards = step_rewards
     same_substeps = step_rewards is not None and est_cfg.substeps == est_cfg.instant_substeps
     if needs_instant_rewards(cfg.credit) and not same_substeps:
@@ -105,6 +113,6 @@ def intermediate_rewards(
             instant, n = instant_rewards(
                 model, score, traj, cond, uncond, guidance, prompts, meta, est_cfg.instant_substeps, est_cfg.chunk_size
             )
-        stats["reward_calls"] += n["calls"]
-        stats["nfe_estimates"] = stats.get("nfe_estimates", 0) + n["nfe"]
-    return step_rewards, instant, stats
+        counts.calls += n["calls"]
+        counts.nfe += n["nfe"]
+    return step_rewards, instant, counts

@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..config.schema import TrainConfig
@@ -42,8 +41,9 @@ from ..rewards.guards import group_diversity
 from ..samplers.policy import nfe_per_sample
 from ..samplers.rollout import rollout
 from ..samplers.schedules import time_grid
-from ..types import Trajectory, cond_repeat
+from ..types import cond_repeat
 from .distributed import (
+    Chunk,
     Dist,
     ReferenceOffload,
     Shard,
@@ -73,6 +73,7 @@ from .intermediate import intermediate_rewards
 from .loggers import check_logger_names, save_grid, write_metrics
 from .memory import keep_freed_host_memory
 from .preflight import check_memory
+from .records import Credit, Iteration, Rollout, Scores, UpdatePlan, UpdateStats
 from .state import CheckpointMixin, TrainingError
 
 
@@ -83,20 +84,6 @@ def _one_line(prefix: str = ""):
         yield
     except ValueError as e:
         raise TrainingError(f"{prefix}{e}") from None
-
-
-@dataclasses.dataclass
-class Rollout:
-    """This rank's rows of one iteration: prompts, their metadata and global group ids (B,), the conditioning, the
-    trajectory (latents, log-probs, step mask; rewards once scored) and the decoded images (after the reward)."""
-
-    prompts: list[str]
-    meta: list[Any]
-    gids: torch.Tensor
-    cond: Any
-    uncond: Any
-    traj: Trajectory
-    images: Any = None
 
 
 class Trainer(CheckpointMixin):
@@ -232,21 +219,22 @@ class Trainer(CheckpointMixin):
                 self.periodic_eval()  # the curve starts at the initial model
             while loop.running(self.iteration):
                 t_iter = time.time()
-                stats = self.train_step()  # rollout → reward → credit → objective loss → optimizer step
+                it = self.train_step()  # rollout → reward → credit → objective loss → optimizer step
                 self.iteration += 1
                 # ---------------------------------------------------------------- LOG
+                metrics = it.metrics()
                 if self.iteration % cfg.run.log_every == 0:
-                    self.log(stats)
+                    self.log(metrics)
                 if cfg.run.grid_every and self.iteration % cfg.run.grid_every == 0:
-                    self.save_grid(stats.pop("_images"), stats.pop("_prompts"))
+                    self.save_grid(it.scores.images, it.rollout.prompts)
                 if cfg.run.eval_every and self.iteration % cfg.run.eval_every == 0:
                     self.periodic_eval()
-                self.guard(stats)
+                self.guard(metrics)
                 # ---------------------------------------------------------------- CHECKPOINT
                 every = cfg.run.checkpoint_every
                 if (every and self.iteration % every == 0) or self.iteration == cfg.run.iterations:
                     self.save_checkpoint()
-                if not loop.end_iteration(stats, time.time() - t_iter):
+                if not loop.end_iteration(metrics, time.time() - t_iter):
                     break
             loop.close_bar()
             self.save_checkpoint()
@@ -256,49 +244,33 @@ class Trainer(CheckpointMixin):
         self.close()
         return result
 
-    def train_step(self) -> dict[str, Any]:
-        """One iteration of the algorithm: rollout → reward → credit → objective loss → optimizer step; its stats.
+    def train_step(self) -> Iteration:
+        """One iteration of the algorithm: rollout → reward → credit → objective loss → optimizer steps.
 
         On N processes this rank rolls out and scores its B/N rows of the global batch; the rewards are gathered so
         the credit (and every statistic) sees the global batch, and the rank keeps its rows' advantages.
         """
         timer = PhaseTimer(iteration=self.iteration + 1)
-        stats: dict[str, Any] = {}
         with timer("rollout"):  # no grad: latents, log π_old of every step, the trained-step mask
-            ro = self.rollout(stats)
+            ro = self.rollout()
         with timer("reward"):  # R(x0) of the decoded final images, retried per `faults`
-            ro.images, rewards = self.reward(ro, stats)
-        # ρ_j / I_j of the x̂0 estimates, when the credit method requires them (Stepwise §4.1, VGPO §5.2); with a
-        # soft-updated π_old (nft old_policy=soft) the estimates follow the policy that sampled the trajectory
-        estimates = needs_step_rewards(self.cfg.credit) or needs_instant_rewards(self.cfg.credit)
-        with self._old_weights() if estimates else contextlib.nullcontext():
-            step_rewards, instant, istats = intermediate_rewards(
-                self.model, self._score, ro.traj, ro.cond, ro.uncond, self.cfg, ro.prompts, ro.meta, ro.gids, timer
-            )
-        stats["reward_calls"] += istats.pop("reward_calls")
-        stats.update(istats)
+            scores = self.reward(ro)
+        scores = self.step_rewards(ro, scores, timer)  # ρ_j / I_j of the x̂0 estimates, if the credit needs them
         with timer("credit"):  # advantages (B, T) from the gathered global batch; None on NaN/Inf input
-            adv, bad = self.credit(ro, rewards, step_rewards, instant, stats)
+            credit = self.credit(ro, scores)
         with timer("update"):  # objective loss over the trained (sample, step) pairs → optimizer steps
-            if bad is None:
-                ustats = self.update(ro.traj, adv, ro.cond, ro.uncond)
-            else:  # NaN/Inf: skip and count; stops the run after faults.max_nonfinite in a row
-                ustats = {"pairs_trained": 0, "skipped_update": 1, "_nfe": 0,
-                          **self.nonfinite.skip(bad, self.iteration + 1)}
-        stats.update(ustats)
-        stats["nfe_update"] = ustats.pop("_nfe")
-        if self.old_policy is not None:  # DiffusionNFT: θ_old ← d·θ_old + (1 − d)·θ at the end of every epoch
-            stats["old_policy_decay"] = self.old_policy.update(self.trainable)
-        counts = [k for k in ("nfe_rollout", "reward_calls", "nfe_estimates", "nfe_update") if k in stats]
-        stats.update(zip(counts, (int(v) for v in self.dist.sum([stats[k] for k in counts]))))  # over all ranks
-        stats["seconds"] = timer.seconds
-        stats["seconds_total"] = sum(timer.seconds.values())
-        stats["_images"] = ro.images
-        stats["_prompts"] = ro.prompts
-        return stats
+            plan = self.plan_update(ro, credit)
+            for chunk in plan.steps():  # one optimizer step: Σ pair losses / N → backward → Σ ranks → clip → step
+                self.optimizer_step(plan, chunk)
+            update = self.finish_update(plan)
+        counts = {"nfe_rollout": ro.nfe, "reward_calls": scores.reward_calls, "nfe_update": update.nfe}
+        if scores.nfe_estimates is not None:
+            counts["nfe_estimates"] = scores.nfe_estimates
+        counts = dict(zip(counts, (int(v) for v in self.dist.sum(list(counts.values())))))  # Σ over ranks
+        return Iteration(ro, scores, credit, update, timer.seconds, counts)
 
     # ---------------------------------------------------------------------------------- the phases of train_step
-    def rollout(self, stats: dict[str, Any]) -> Rollout:
+    def rollout(self) -> Rollout:
         """This rank's rows: prompts, conditioning and the SDE/ODE trajectory (noise seeded per (seed, iteration,
         group), so the samples are the same on 1 or N processes); the objective marks the trained steps."""
         cfg, model = self.cfg, self.model
@@ -323,41 +295,50 @@ class Trainer(CheckpointMixin):
         s = cfg.sampler
         fraction, _ = step_draw_window(s.train_step_draw, T, s.timestep_fraction, s.train_steps_per_sample)
         traj.step_mask = self.objective.trained_steps(traj, fraction)
-        stats["nfe_rollout"] = B * traj.num_steps * nfe_per_sample(self.uncond1, guidance)
-        return Rollout(prompts, meta, gids, cond, uncond, traj)
+        nfe = B * traj.num_steps * nfe_per_sample(self.uncond1, guidance)
+        return Rollout(prompts, meta, gids, cond, uncond, traj, nfe)
 
-    def reward(self, ro: Rollout, stats: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(images (B, 3, H, W), gathered rewards (B_global,)); reward statistics and the within-group diversity."""
+    def reward(self, ro: Rollout) -> Scores:
+        """R(x0) of the decoded images (gathered (B_global,)), reward statistics and the within-group diversity."""
         images = self.model.decode(ro.traj.latents[:, -1])
         out = self.call_reward(self.reward_fn, images, ro.prompts, ro.meta, group_ids=ro.gids)  # retried per `faults`
         ro.traj.rewards = out.scores.float()
         rewards = self._gathered(ro.traj.rewards)  # (B_global,)
-        stats["reward_calls"] = len(ro.prompts)
-        stats["reward_mean"] = float(rewards.mean())
-        stats["reward_std"] = float(rewards.std(unbiased=False))
-        # hacking guard: within-group diversity (mean pairwise RMS pixel distance); collapse = mode collapse
-        stats["diversity"] = float(self._gathered(group_diversity(images, ro.gids)).mean())  # over every rank's groups
+        stats = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
+                 # hacking guard: within-group diversity (mean pairwise RMS pixel distance); collapse = mode collapse
+                 "diversity": float(self._gathered(group_diversity(images, ro.gids)).mean())}  # every rank's groups
         for k, v in out.components.items():
             stats[f"{k}_mean"] = float(self._gathered(v.float()).mean())
-        return images, rewards
+        return Scores(images, rewards, None, None, len(ro.prompts), None, stats)
 
-    def credit(self, ro: Rollout, rewards, step_rewards, instant, stats: dict[str, Any]):
-        """(this rank's advantages (B, T), None) from `assign_credit` on the global batch, or (None, what was
-        non-finite). The estimator's cross-iteration state (e.g. the Stepwise EMA baseline) is kept on success."""
-        step_rewards, instant = self.dist.gather(step_rewards), self.dist.gather(instant)
-        bad = first_nonfinite(rewards=rewards, step_rewards=step_rewards, instant_rewards=instant)
+    def step_rewards(self, ro: Rollout, scores: Scores, timer: PhaseTimer) -> Scores:
+        """`scores` with ρ_j / I_j of the x̂0 estimates when the credit method requires them (Stepwise §4.1, VGPO
+        §5.2; `intermediate.py`); with a soft-updated π_old (nft old_policy=soft) the estimates follow the policy
+        that sampled the trajectory."""
+        if not (needs_step_rewards(self.cfg.credit) or needs_instant_rewards(self.cfg.credit)):
+            return scores
+        with self._old_weights():
+            step_rewards, instant, est = intermediate_rewards(
+                self.model, self._score, ro.traj, ro.cond, ro.uncond, self.cfg, ro.prompts, ro.meta, ro.gids, timer
+            )
+        return dataclasses.replace(scores, step_rewards=step_rewards, instant=instant,
+                                   reward_calls=scores.reward_calls + est.calls, nfe_estimates=est.nfe)
+
+    def credit(self, ro: Rollout, scores: Scores) -> Credit:
+        """This rank's advantages (B, T) from `assign_credit` on the global batch, or what was non-finite. The
+        estimator's cross-iteration state (e.g. the Stepwise EMA baseline) is kept on success."""
+        step_rewards, instant = self.dist.gather(scores.step_rewards), self.dist.gather(scores.instant)
+        bad = first_nonfinite(rewards=scores.rewards, step_rewards=step_rewards, instant_rewards=instant)
         if bad is not None:
-            return None, bad
-        cin = CreditInput(rewards=rewards, group_ids=self._gathered(ro.gids), step_mask=ro.traj.step_mask,
+            return Credit(None, bad, {})
+        cin = CreditInput(rewards=scores.rewards, group_ids=self._gathered(ro.gids), step_mask=ro.traj.step_mask,
                           step_rewards=step_rewards, instant_rewards=instant, state=self.credit_state)
         cout = assign_credit(self.cfg.credit, cin)
         bad = first_nonfinite(advantages=cout.advantages)
         if bad is not None:
-            return None, bad
+            return Credit(None, bad, {})
         self.credit_state = cout.state
-        for k, v in cout.stats.items():
-            stats[f"credit/{k}"] = v
-        return cout.advantages.float()[self.shard.rows], None  # (B, T): this rank's rows
+        return Credit(cout.advantages.float()[self.shard.rows], None, dict(cout.stats))  # (B, T): this rank's rows
 
     def _gathered(self, t: torch.Tensor) -> torch.Tensor:
         """`Dist.gather` of a tensor that is present on every rank: (B_local, ...) → (B_global, ...)."""
@@ -369,17 +350,20 @@ class Trainer(CheckpointMixin):
         """(n,) rewards of decoded images, retried per `faults` (the intermediate rewards' reward call)."""
         return self.call_reward(self.reward_fn, images, prompts, meta).scores.float()
 
-    def update(self, traj: Trajectory, adv: torch.Tensor, cond, uncond) -> dict[str, Any]:
-        """Gradient steps on the objective's loss over (sample, step) pairs with gradient accumulation.
+    def plan_update(self, ro: Rollout, credit: Credit) -> UpdatePlan:
+        """The (sample, step) pairs of every optimizer step of this iteration's update.
 
         The loss of one optimizer step is Σ_pairs objective.loss(pair) / N_pairs, accumulated over micro-batches of
         `optim.micro_batch` pairs, so micro-batch size never changes the gradient. The pairs and their order are
         planned on the global batch (`distributed.plan_update`; zero-advantage pairs are skipped when the objective
         says their gradient is exactly zero); each rank trains its rows with N_pairs the GLOBAL count and the gradients
-        are summed over ranks. The objective (grpo / nft / awm, `flowcredit.objectives`) says what the loss of a pair
-        is.
+        are summed over ranks. A non-finite credit plans no step (skipped and counted, `faults.max_nonfinite`).
         """
-        cfg, obj, oc = self.cfg, self.objective, self.cfg.optim
+        cfg, obj, oc, traj = self.cfg, self.objective, self.cfg.optim, ro.traj
+        if credit.advantages is None:  # NaN/Inf: skip and count; stops the run after faults.max_nonfinite in a row
+            skip = self.nonfinite.skip(credit.nonfinite or "credit", self.iteration + 1)
+            return UpdatePlan(None, torch.zeros(0), [], 0, 0, None, skipped=1, nonfinite=skip)
+        adv = credit.advantages
         on_policy = oc.inner_epochs == 1 and oc.updates_per_epoch == 1
         lr = self.lr_schedule.apply(self.opt, self.iteration, self.budget.progress)  # None: constant, untouched
         crn = getattr(obj, "shares_steps_in_group", False)  # optional Objective attribute (objectives/base.py)
@@ -394,16 +378,10 @@ class Trainer(CheckpointMixin):
             step_groups=self._gathered(traj.group_ids).tolist() if crn else None,
             step_draw=cfg.sampler.train_step_draw, loss_mean=oc.loss_mean,
         )
-        out: dict[str, Any] = {"pairs_trained": n_computed, "pairs_planned": n_pairs, "_nfe": 0}
-        if lr is not None:
-            out["lr"] = lr
         if not any(epochs):
-            out.update(loss=0.0, grad_norm=0.0, skipped_update=1, **dict.fromkeys(obj.sum_keys + obj.max_keys, 0.0))
-            if "ratio_mean" in obj.sum_keys:
-                out["ratio_mean"] = 1.0
-            return out
+            return UpdatePlan(None, adv, [], n_pairs, n_computed, lr)
         ctx = LossContext(
-            model=self.model, traj=traj, cond=cond, uncond=uncond, guidance=cfg.sampler.guidance_scale,
+            model=self.model, traj=traj, cond=ro.cond, uncond=ro.uncond, guidance=cfg.sampler.guidance_scale,
             params=self.params, reference=self._reference, on_policy=on_policy, seed=cfg.run.seed,
             iteration=self.iteration + 1, kl_beta=oc.kl_beta, micro_batch=oc.micro_batch, ref_offload=self.ref_offload,
             row_start=self.shard.start, batch_global=self.shard.global_batch,
@@ -411,66 +389,64 @@ class Trainer(CheckpointMixin):
             kl_base_beta=oc.kl_base_beta, base_reference=self._base_reference if oc.kl_base_beta > 0 else None,
         )
         self.model.train()
-        out["_nfe"] += obj.prepare(ctx, [p for chunks in epochs for chunk in chunks for p in chunk.mine])
-        acc: dict[str, list[float]] = {}
-        for chunks in epochs:
-            for chunk in chunks:  # one optimizer step: this rank's (row, step) pairs, the global normaliser
-                out["_nfe"] += self._optimizer_step(ctx, adv, chunk, acc, out)
-        keys = ("loss",) + tuple(obj.sum_keys)
-        for k, v in zip(keys, self.dist.sum([sum(acc.get(k, [0.0])) for k in keys])):  # Σ over ranks
-            # the loss over the pairs of its denominator (optim.loss_mean; a skipped pair's loss is exactly 0), the
-            # diagnostics (ratio, clip fraction, KL) over the pairs that were computed
-            out[k] = v / ((n_pairs if k == "loss" else n_computed) * oc.inner_epochs)
-        out["grad_norm"] = float(np.mean(acc.get("grad_norm", [0.0])))
-        for k in obj.max_keys:
-            out[k] = self.dist.max([max(acc.get(k, [0.0]))])[0]
-        return out
+        plan = UpdatePlan(ctx, adv, epochs, n_pairs, n_computed, lr)
+        plan.nfe += obj.prepare(ctx, [p for chunk in plan.steps() for p in chunk.mine])
+        return plan
 
-    def _optimizer_step(self, ctx: LossContext, adv, chunk, acc: dict, out: dict) -> int:
+    def optimizer_step(self, plan: UpdatePlan, chunk: Chunk) -> None:
         """One optimizer step on this rank's pairs `chunk.mine` (loss / the global normaliser `chunk.n_norm`):
         accumulate over micro-batches (FSDP-padded, `harness.DistPadding`), Σ gradients over ranks, clip, skip
-        non-finite, step, EMA. Appends the statistics to `acc`; returns the NFEs spent."""
-        obj, nfe_pair = self.objective, nfe_per_sample(ctx.uncond, ctx.guidance)
-        mine, n_chunk = chunk.mine, chunk.n_norm
+        non-finite, step, EMA. Adds its statistics and NFEs to `plan`."""
+        obj, ctx = self.objective, plan.ctx
+        assert ctx is not None, "plan_update plans no step without a loss context"
+        nfe_pair = nfe_per_sample(ctx.uncond, ctx.guidance)
         start_step = getattr(obj, "start_step", None)  # optional hook: per-step draws over the global pairs
         if start_step is not None:
             start_step(ctx, chunk.pairs)
-        nfe = 0
         self.opt.zero_grad(set_to_none=True)
         nonfinite_loss = False
-        for mb, pad in self.padding.chunks(mine, ctx.traj.step_mask):
+        for mb, pad in self.padding.chunks(chunk.mine, ctx.traj.step_mask):
             bi = torch.tensor([p[0] for p in mb])
             ji = torch.tensor([p[1] for p in mb])
-            lo = obj.loss(ctx, bi, ji, adv[bi, ji])
-            mb_loss = lo.loss.sum() / n_chunk
+            lo = obj.loss(ctx, bi, ji, plan.adv[bi, ji])
+            mb_loss = lo.loss.sum() / chunk.n_norm
             if pad:
                 self.padding.backward_padding(mb_loss)
                 continue
-            nfe += lo.nfe
+            plan.nfe += lo.nfe
             nonfinite_loss |= not bool(torch.isfinite(mb_loss))
             mb_loss.backward()
-            nfe += len(mb) * nfe_pair * 2  # forward + backward ≈ counted as 2 NFE-equivalents
-            for k, val in lo.sums.items():
-                acc.setdefault(k, []).append(val)
-            acc.setdefault("loss", []).append(float(lo.loss.detach().sum()))
-            for k, val in lo.maxes.items():
-                acc.setdefault(k, []).append(val)
+            plan.nfe += len(mb) * nfe_pair * 2  # forward + backward ≈ counted as 2 NFE-equivalents
+            for k, val in (*lo.sums.items(), ("loss", float(lo.loss.detach().sum())), *lo.maxes.items()):
+                plan.add(k, val)
         nonfinite_loss = self.dist.sync_grads(self.trainable, nonfinite_loss)  # Σ over ranks
         gn = clip_grad_norm(self.trainable, self.cfg.optim.grad_clip)  # the global norm, also of FSDP shards
         if nonfinite_loss or not torch.isfinite(gn):  # skip and count; stops after faults.max_nonfinite in a row
             self.opt.zero_grad(set_to_none=True)
-            out["skipped_update"] = out.get("skipped_update", 0) + 1
-            out.update(self.nonfinite.skip("loss" if nonfinite_loss else "gradients", self.iteration + 1))
-            return nfe
+            plan.skipped += 1
+            plan.nonfinite = self.nonfinite.skip("loss" if nonfinite_loss else "gradients", self.iteration + 1)
+            return
         self.nonfinite.ok()
         self.opt.step()
         if self.old_policy is not None:
             self.old_policy.steps += 1  # DiffusionNFT's global_step: the decay ramp counts optimizer steps
-        acc.setdefault("grad_norm", []).append(float(gn))
+        plan.add("grad_norm", float(gn))
         self.ema_weights.update(self.trainable)
         if self.moving_ref is not None:  # optim.kl_reference=ema
             self.moving_ref.update(self.trainable)
-        return nfe
+
+    def finish_update(self, plan: UpdatePlan) -> UpdateStats:
+        """The update's statistics (Σ / max over ranks); nft old_policy=soft: θ_old ← d·θ_old + (1 − d)·θ at the end
+        of every epoch (DiffusionNFT)."""
+        obj = self.objective
+        if plan.ctx is None and plan.nonfinite:  # skipped for a non-finite credit: nothing was measured
+            out = UpdateStats(pairs_trained=0, skipped_update=1, nonfinite=plan.nonfinite)
+        else:
+            out = plan.summary(self.dist.sum, self.dist.max, tuple(obj.sum_keys), tuple(obj.max_keys),
+                               self.cfg.optim.inner_epochs)
+        if self.old_policy is not None:
+            out.old_policy_decay = self.old_policy.update(self.trainable)
+        return out
 
     def guard(self, stats: dict[str, Any]) -> None:
         """Hacking guard (run.gold_reward): the alarm sees the training reward and diversity every iteration and the
