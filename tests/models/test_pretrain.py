@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from flowcredit.cli.main import main
 from flowcredit.models.pretrain import PretrainConfig, pretrain, resolve_device, sample_t
 from flowcredit.models.tiny import TinyDiTConfig, TinyFlowModel
-from flowcredit.trainer import checkpoint
+from flowcredit import checkpoints as checkpoint
 
 
 def _cfg(out, steps):

@@ -25,10 +25,10 @@ from flowcredit.cli.main import main
 from flowcredit.config import load_config
 from flowcredit.config.load import dump_yaml
 from flowcredit.config.schema import TrainConfig
-from flowcredit.trainer import checkpoint
+from flowcredit import checkpoints as checkpoint
 from flowcredit.trainer.state import rng_states
 
-PRESET_DIR = Path(checkpoint.__file__).resolve().parent.parent / "configs"
+PRESET_DIR = Path(checkpoint.__file__).resolve().parent / "configs"
 
 
 class Payload:

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dist_script as ds  # noqa: E402
 
-from flowcredit.trainer import checkpoint  # noqa: E402
+from flowcredit import checkpoints as checkpoint  # noqa: E402
 from flowcredit.trainer.distributed import Shard, layout_noise, plan_update, systematic_steps  # noqa: E402
 
 

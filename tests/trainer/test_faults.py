@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dist_script as ds  # noqa: E402
 
 from flowcredit.rewards.base import RewardOutput  # noqa: E402
-from flowcredit.trainer import checkpoint  # noqa: E402
+from flowcredit import checkpoints as checkpoint  # noqa: E402
 from flowcredit.trainer.faults import RetryingCall, RewardInputRejected, RunStopped, is_input_error  # noqa: E402
 
 

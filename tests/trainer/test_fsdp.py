@@ -22,7 +22,7 @@ from flowcredit.cli.main import PRESET_DIR  # noqa: E402
 from flowcredit.config import load_config  # noqa: E402
 from flowcredit.config.load import ConfigError  # noqa: E402
 from flowcredit.config.schema import TrainConfig  # noqa: E402
-from flowcredit.trainer import checkpoint  # noqa: E402
+from flowcredit import checkpoints as checkpoint  # noqa: E402
 
 # stepwise: step rewards, KL to the (sharded) reference moving as an EMA of the policy, sharded EMA; 3 optimizer steps per iteration with
 # 1-pair micro-batches, so the ranks' micro-batch counts differ and the zero-weight padding passes run; gradient

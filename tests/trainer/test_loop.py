@@ -16,7 +16,7 @@ from flowcredit.models.tiny import TinyDiTConfig, TinyFlowModel
 from flowcredit.rewards.base import RewardOutput
 from flowcredit.samplers.policy import policy_velocity
 from flowcredit.samplers.sde import sampler_step
-from flowcredit.trainer import checkpoint
+from flowcredit import checkpoints as checkpoint
 from flowcredit.trainer.loop import Trainer
 
 P, G, T = 2, 2, 3  # prompts per iteration, group size, rollout steps

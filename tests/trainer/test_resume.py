@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dist_script as ds
 
-from flowcredit.trainer import checkpoint
+from flowcredit import checkpoints as checkpoint
 
 TIMING = ("seconds", "seconds_total", "eval_seconds")  # wall-clock fields: the only ones allowed to differ
 
@@ -237,3 +238,61 @@ def test_cli_resume_continues_the_run(tmp_path, model_path, capsys):
 
     assert main(["train", f"resume={tmp_path / 'nothing'}"]) == 2
     assert "no config.yaml there" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the checkpoint's state version (trainer/state.py: TrainState)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _rewrite_state(path: Path, edit) -> None:
+    """Load checkpoint `path`, apply `edit` to its state dict and save it back whole (a valid manifest)."""
+    st = checkpoint.load(path)
+    edit(st)
+    tmp = path.with_name(path.name + ".edited")
+    checkpoint.save(st, tmp, iteration=int(st["iteration"]))
+    shutil.rmtree(path)
+    tmp.rename(path)
+
+
+def test_every_checkpoint_records_its_state_version(tmp_path, model_path):
+    from flowcredit.trainer.state import STATE_VERSION
+
+    d = _two_checkpoints(tmp_path, model_path, "run")
+    assert STATE_VERSION == 2
+    assert checkpoint.load(d / "iter000002")["state_version"] == 2
+
+
+def test_a_version_1_checkpoint_resumes(tmp_path, model_path):
+    """Version 1 had no version field and an unused generator state ("torch_rng"): it resumes, and the run ends
+    where an uninterrupted one does."""
+    d = _two_checkpoints(tmp_path, model_path, "run")
+    shutil.rmtree(d / "iter000002")
+
+    def to_v1(st):
+        del st["state_version"]
+        st["torch_rng"] = torch.Generator().manual_seed(0).get_state()
+
+    _rewrite_state(d / "iter000001", to_v1)
+    (tmp_path / "run" / "metrics.jsonl").write_text(
+        (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+    resumed = ds.make_trainer(model_path, tmp_path / "run", "run.checkpoint_every=1")
+    assert resumed.iteration == 1
+    resumed.train()
+    straight = ds.make_trainer(model_path, tmp_path / "straight", "run.checkpoint_every=1")
+    straight.train()
+    a, b = resumed.model.net.state_dict(), straight.model.net.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_unknown_state_version_is_one_line_naming_it(tmp_path, model_path, capsys):
+    from flowcredit.cli.main import main
+
+    d = _two_checkpoints(tmp_path, model_path, "run")
+    _rewrite_state(d / "iter000002", lambda st: st.update(state_version=7))
+    capsys.readouterr()
+    assert main(["train", f"resume={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    assert "iter000002: checkpoint state version 7; this flowcredit reads versions 1, 2 (version 2 is written)" in err
+    assert sorted(p.name for p in d.iterdir()) == ["iter000001", "iter000002"]  # nothing deleted

@@ -32,14 +32,6 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-# re-exported while trainer/loop.py imports them from here; their home is trainer/memory.py
-from .memory import (  # noqa: F401
-    OffloadedAdamW,
-    ReferenceOffload,
-    build_optimizer,
-    enable_gradient_checkpointing,
-)
-
 # seed streams of derived generators (seed, stream, iteration, index)
 STREAM_NOISE = 1
 STREAM_UPDATE_ORDER = 2

@@ -33,6 +33,10 @@ import torch
 ENV_INJECT = "FLOWCREDIT_FAULT_INJECT"
 
 
+class TrainingError(RuntimeError):
+    """A run cannot start or continue; the message is one line saying what to fix."""
+
+
 class RunStopped(RuntimeError):
     """The run cannot continue (repeated non-finite updates, a reward that keeps failing); the message is one line
     saying what happened, and the last checkpoint is intact."""

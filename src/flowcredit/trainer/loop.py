@@ -45,19 +45,16 @@ from ..types import cond_repeat
 from .distributed import (
     Chunk,
     Dist,
-    ReferenceOffload,
     Shard,
     apply_fsdp,
-    build_optimizer,
     clip_grad_norm,
-    enable_gradient_checkpointing,
     layout_noise,
     plan_update,
     seed_global_rngs,
     step_draw_window,
 )
 from .evaluation import RunEvaluation
-from .faults import NonFiniteGuard, RetryingCall, first_nonfinite, inject_point
+from .faults import NonFiniteGuard, RetryingCall, TrainingError, first_nonfinite, inject_point
 from .harness import (
     DistPadding,
     EMAWeights,
@@ -71,10 +68,10 @@ from .harness import (
 )
 from .intermediate import intermediate_rewards
 from .loggers import check_logger_names, save_grid, write_metrics
-from .memory import keep_freed_host_memory
+from .memory import ReferenceOffload, build_optimizer, enable_gradient_checkpointing, keep_freed_host_memory
 from .preflight import check_memory
 from .records import Credit, Iteration, Rollout, Scores, UpdatePlan, UpdateStats
-from .state import CheckpointMixin, TrainingError
+from .state import TrainState, open_run_folder, save_checkpoint
 
 
 @contextlib.contextmanager
@@ -86,9 +83,9 @@ def _one_line(prefix: str = ""):
         raise TrainingError(f"{prefix}{e}") from None
 
 
-class Trainer(CheckpointMixin):
+class Trainer:
     """The trainer of every credit × objective pair. `setup()` builds everything and validates inputs before
-    anything is written; `train()` runs the loop; `save_checkpoint()` / `load_checkpoint()` persist every state."""
+    anything is written; `train()` runs the loop; `self.state` (`TrainState`) is what a checkpoint holds."""
 
     def __init__(self, cfg: TrainConfig, preset_name: str = "custom"):
         self.cfg = cfg
@@ -179,12 +176,9 @@ class Trainer(CheckpointMixin):
         self.budget = TimeBudget(cfg.run.budget_minutes, self.t_created, self.eval_forwards)
         decay_iters = min(cfg.run.iterations, oc.lr_decay_iterations or cfg.run.iterations)
         self.lr_schedule = LRSchedule(oc.lr, oc.lr_schedule, oc.lr_final, oc.warmup_iters, decay_iters)
-        self.gen = torch.Generator(device="cpu").manual_seed(cfg.run.seed)
         seed_global_rngs(cfg.run.seed, self.dist.rank)  # built: later global draws (a plugin's dropout) per rank
         self.timesteps = self._time_grid()
         self.params = cfg.sampler  # the step parameters (config.schema.SamplerParams is SamplerCfg's base)
-        self.credit_state: dict[str, torch.Tensor] = {}
-        self.iteration = 0
         self.nonfinite = NonFiniteGuard(cfg.faults.max_nonfinite, self.dist.is_main)
         self.padding = DistPadding(self.dist, cfg.optim.micro_batch)  # FSDP: equal micro-batch passes on every rank
         fc = cfg.faults
@@ -207,7 +201,37 @@ class Trainer(CheckpointMixin):
                 self.ema_weights,
                 self.trainable,
             )
-        self.open_run_folder()  # resumes from its newest intact checkpoint (trainer/state.py)
+        # what a checkpoint holds (trainer/state.py); the trainer updates these objects as it trains
+        self.state = TrainState(
+            model=self.model, model_name=cfg.model.name, opt=self.opt, trainable=self.trainable,
+            trainable_names=self.trainable_names, dist=self.dist, prompt_sampler=self.prompt_sampler,
+            nonfinite=self.nonfinite, budget=self.budget, ema_weights=self.ema_weights, guard=self.guard_,
+            moving_ref=self.moving_ref, old_policy=self.old_policy,
+        )
+        self.metrics_f, self.loggers = open_run_folder(self.out, cfg, self.state)  # resumes from the newest intact
+        # checkpoint; metrics.jsonl and the loggers on rank 0
+
+    @property
+    def iteration(self) -> int:
+        """Iterations done (`TrainState.iteration`)."""
+        return self.state.iteration
+
+    @iteration.setter
+    def iteration(self, value: int) -> None:
+        self.state.iteration = value
+
+    @property
+    def credit_state(self) -> dict[str, torch.Tensor]:
+        """The credit estimator's cross-iteration state (`TrainState.credit_state`, e.g. the Stepwise EMA)."""
+        return self.state.credit_state
+
+    @credit_state.setter
+    def credit_state(self, value: dict[str, torch.Tensor]) -> None:
+        self.state.credit_state = value
+
+    def save_checkpoint(self) -> Path:
+        """`checkpoints/iterNNNNNN/` of the current state (`state.save_checkpoint`; collective)."""
+        return save_checkpoint(self.out, self.state)
 
     # -------------------------------------------------------------------------------------------------- loop
     def train(self) -> dict[str, Any]:

@@ -1,15 +1,20 @@
-"""Checkpointing of the trainer: every state of a run, saved atomically and loaded exactly (a mixin of Trainer).
+"""The state of a run and its run folder: `TrainState` is everything a checkpoint holds, saved and loaded exactly.
 
-What is saved (`checkpoint_state`): iteration, model weights, optimizer, EMA weights, the moving KL reference's and
-the soft-updated π_old's weights (optim.kl_reference=ema, nft old_policy=soft), model config (and the tiny model's
-LoRA layout), credit state, every RNG of every rank, prompt-sampler position, fault counters and the harness objects'
-states (time-budget measurements, hacking-guard gold/alarm history, the optimizer-step counts of the decay ramps).
-The file format is `flowcredit/checkpoints.py`: safetensors + JSON folders with a sha256 manifest, never pickle.
+`TrainState` records what changes as a run trains — iteration, model weights, optimizer, EMA weights, the moving KL
+reference's and the soft-updated π_old's weights (optim.kl_reference=ema, nft old_policy=soft), credit state, every
+RNG of every rank, prompt-sampler position, fault counters and the harness objects' states (time-budget
+measurements, hacking-guard gold/alarm history, the decay ramps' step counts) — and nothing that config.yaml
+rebuilds. Every checkpoint carries `state_version` (`STATE_VERSION`; the folder format has its own version,
+`checkpoints.FORMAT_VERSION`); a checkpoint of another state version is refused with one line naming it. The file
+format is `flowcredit/checkpoints.py`: safetensors + JSON folders with a sha256 manifest, never pickle. The
+run-folder functions below open, resume and write a run's folder.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -17,127 +22,110 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from .. import checkpoints as checkpoint
-from .faults import inject_point
+from .faults import TrainingError, inject_point
 
 if TYPE_CHECKING:
     from ..config.schema import TrainConfig
     from .data import PromptSampler
     from .distributed import Dist
     from .faults import NonFiniteGuard
-    from .harness import HackingGuard, MovingReference, SoftOldPolicy, TimeBudget
+    from .harness import EMAWeights, HackingGuard, MovingReference, SoftOldPolicy, TimeBudget
+
+# 1: checkpoints written before the version field (they also held an unused generator state, ignored on load);
+# 2: this layout. Raise it whenever `TrainState.state_dict` changes incompatibly, and read the older ones if possible.
+STATE_VERSION = 2
+READABLE_STATE_VERSIONS = (1, 2)
 
 
-class TrainingError(RuntimeError):
-    """A run cannot start or continue; the message is one line saying what to fix."""
+@dataclasses.dataclass
+class TrainState:
+    """Everything of a run that a checkpoint must hold to continue it exactly (module docstring); the objects are
+    shared with the trainer, which updates them as it trains."""
 
-
-class CheckpointMixin:
-    """Save/load of a Trainer's full state; expects the attributes set by `Trainer.setup()`."""
-
-    # The host's attributes this mixin reads and writes (annotations only: set by `Trainer.setup()`).
-    cfg: TrainConfig
-    iteration: int
     model: Any  # the FlowModel being trained (an nn.Module with .net and .cfg)
-    opt: Any  # torch.optim.Optimizer (or the offloaded optimizer of trainer/distributed.py)
+    model_name: str  # model.name of the config ("tiny" also saves its LoRA layout)
+    opt: Any  # torch.optim.Optimizer (or the offloaded optimizer of trainer/memory.py)
     trainable: list[Any]  # the trained nn.Parameters (DTensor shards under FSDP)
     trainable_names: list[str]
-    device: torch.device
     dist: Dist
-    gen: torch.Generator
-    credit_state: dict[str, torch.Tensor]
     prompt_sampler: PromptSampler
     nonfinite: NonFiniteGuard
     budget: TimeBudget
-    guard_: HackingGuard | None
-    out: Path
-    metrics_f: Any  # metrics.jsonl, open on rank 0 (None elsewhere)
-    loggers: list[Any]
-    ema: list[torch.Tensor] | None  # the EMA weights in the order of `trainable` (a property of Trainer)
-    moving_ref: MovingReference | None  # optim.kl_reference=ema: the moving KL reference's trainable weights
-    old_policy: SoftOldPolicy | None  # nft old_policy=soft: DiffusionNFT's soft-updated π_old (trainable weights)
+    ema_weights: EMAWeights
+    guard: HackingGuard | None = None
+    moving_ref: MovingReference | None = None  # optim.kl_reference=ema: the moving KL reference
+    old_policy: SoftOldPolicy | None = None  # nft old_policy=soft: DiffusionNFT's soft-updated π_old
+    iteration: int = 0
+    credit_state: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
-    def open_run_folder(self) -> None:
-        """Make the run folder, write the resolved config, resume from the newest intact checkpoint, and open
-        metrics.jsonl and the loggers (rank 0). A folder whose checkpoints are all damaged stays as it is."""
-        import sys
-
-        from ..config.load import dump_yaml
-        from .loggers import build_loggers
-
-        ckpt = self.latest_checkpoint()  # before anything is written
-        if ckpt is None:
-            self.refuse_lost_checkpoints()
-        if self.dist.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "checkpoints").mkdir(exist_ok=True)
-            (self.out / "grids").mkdir(exist_ok=True)
-            # the resolved config; a resumed run keeps its original config.yaml and records the new one beside it
-            exists = (self.out / "config.yaml").exists()
-            dump_yaml(self.cfg, self.out / ("config.resumed.yaml" if exists else "config.yaml"))
-        self.dist.barrier()
-        if ckpt is not None:
-            self.load_checkpoint(ckpt)
-            if self.dist.is_main:
-                print(f"resuming from {ckpt} (iteration {self.iteration})", file=sys.stderr, flush=True)
-        self.metrics_f, self.loggers = None, []  # rank 0 only: metrics.jsonl + run.loggers (trainer/loggers.py)
-        if self.dist.is_main:
-            # a resumed run redoes later iterations
-            for log_file in ("metrics.jsonl", "eval_curve.jsonl", "gold.jsonl"):
-                checkpoint.truncate_jsonl(self.out / log_file, self.iteration if ckpt is not None else -1)
-            self.metrics_f = open(self.out / "metrics.jsonl", "a")
-            try:  # default [tensorboard] is best effort: metrics.jsonl is the record of truth
-                self.loggers = build_loggers(self.cfg.run.loggers, self.out, dataclasses.asdict(self.cfg))
-            except ValueError as e:  # a named logger that is unknown or not installed: one line with the pip command
-                raise TrainingError(str(e)) from None
-
-    def checkpoint_state(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint's contents (collective: every rank calls it; under FSDP rank 0 holds the full tensors)."""
+        ema = self.ema_weights.shadow
         return {
+            "state_version": STATE_VERSION,
             "iteration": self.iteration,
             # under FSDP gathered to full tensors on rank 0 (collectives), the layout of an unsharded run
             "model": model_state(self.model.net),
             "optimizer": optimizer_state(self.model.net, self.opt, self.trainable_names),
-            "ema": self._ema_state(),
+            "ema": None if ema is None else self._named_full(ema),
             # optim.kl_reference=ema: the reference moves with the run, so an exact resume needs it
             "kl_reference": self._named_full(self.moving_ref.tensors()) if self.moving_ref is not None else None,
             # nft old_policy=soft: π_old samples the next rollout and gives v_old, so an exact resume needs it
             "old_policy": self._named_full(self.old_policy.shadow) if self.old_policy is not None else None,
             "model_config": dataclasses.asdict(self.model.cfg),
-            # tiny: rebuild the adapter to load
-            "lora": getattr(self.model, "lora", None) if self.cfg.model.name == "tiny" else None,
+            "lora": getattr(self.model, "lora", None) if self.model_name == "tiny" else None,  # tiny: the adapter
             "credit_state": self.credit_state,
-            "torch_rng": self.gen.get_state(),
             "global_torch_rng": torch.get_rng_state(),
             "rng_per_rank": self.dist.gather_object(rng_states()),  # every RNG of every rank (collective)
             "prompt_sampler": self.prompt_sampler.state_dict(),
             "faults": self.nonfinite.state_dict(),
-            "harness": self.harness_state(),  # time-budget measurements, hacking-guard gold/alarm history
+            "harness": self._harness_state(),
             "world_size": self.dist.world_size,
         }
 
-    def harness_state(self) -> dict[str, Any]:
+    def load_state_dict(self, st: dict[str, Any], source: Path | str = "the checkpoint") -> None:
+        """Restore every state from `st` (`state_dict()`'s layout, any process count); TrainingError (one line) for
+        a state version this flowcredit cannot read."""
+        version = int(st.get("state_version", 1))
+        if version not in READABLE_STATE_VERSIONS:
+            raise TrainingError(
+                f"{source}: checkpoint state version {version}; this flowcredit reads versions "
+                f"{', '.join(map(str, READABLE_STATE_VERSIONS))} (version {STATE_VERSION} is written): resume it with "
+                "the flowcredit that wrote it, or start a new run folder"
+            )
+        names = self.trainable_names
+        load_model_state(self.model.net, st["model"])  # FSDP: each rank keeps its shard
+        load_optimizer_state(self.model.net, self.opt, names, st["optimizer"])
+        if st["ema"] is not None:  # under FSDP the EMA is sharded like the weights
+            self.ema_weights.shadow = shard_like([st["ema"][n] for n in names], self.trainable)
+        else:
+            self.ema_weights.shadow = None
+        if self.moving_ref is not None and st.get("kl_reference") is not None:
+            self.moving_ref.load(shard_like([st["kl_reference"][n] for n in names], self.moving_ref.tensors()))
+        if self.old_policy is not None and st.get("old_policy") is not None:
+            self.old_policy.shadow = shard_like([st["old_policy"][n] for n in names], self.trainable)
+        self.credit_state = st["credit_state"]
+        torch.set_rng_state(st["global_torch_rng"])
+        if st.get("rng_per_rank"):
+            set_rng_states(st["rng_per_rank"][min(self.dist.rank, len(st["rng_per_rank"]) - 1)])
+        self.prompt_sampler.load_state_dict(st["prompt_sampler"])
+        self.nonfinite.load_state_dict(st.get("faults", {}))
+        self._load_harness_state(st.get("harness", {}))
+        self.iteration = st["iteration"]
+
+    def _harness_state(self) -> dict[str, Any]:
         """state_dict of every stateful harness object (the EMA weights travel as tensors under "ema")."""
         st: dict[str, Any] = {"budget": self.budget.state_dict()}
-        if self.guard_ is not None:
-            st["guard"] = self.guard_.state_dict()
-        if self.moving_ref is not None:
-            st["kl_reference"] = self.moving_ref.state_dict()
-        if self.old_policy is not None:
-            st["old_policy"] = self.old_policy.state_dict()
+        for key, obj in (("guard", self.guard), ("kl_reference", self.moving_ref), ("old_policy", self.old_policy)):
+            if obj is not None:
+                st[key] = obj.state_dict()
         return st
 
-    def load_harness_state(self, st: dict[str, Any]) -> None:
-        if "budget" in st:
-            self.budget.load_state_dict(st["budget"])
-        if self.guard_ is not None and "guard" in st:
-            self.guard_.load_state_dict(st["guard"])
-        if self.moving_ref is not None and "kl_reference" in st:
-            self.moving_ref.load_state_dict(st["kl_reference"])
-        if self.old_policy is not None and "old_policy" in st:
-            self.old_policy.load_state_dict(st["old_policy"])
-
-    def _ema_state(self) -> dict[str, torch.Tensor] | None:
-        """The EMA weights by parameter name; under FSDP (EMA sharded like the weights) gathered to rank 0."""
-        return None if self.ema is None else self._named_full(self.ema)
+    def _load_harness_state(self, st: dict[str, Any]) -> None:
+        for key, obj in (("budget", self.budget), ("guard", self.guard), ("kl_reference", self.moving_ref),
+                         ("old_policy", self.old_policy)):
+            if obj is not None and key in st:
+                obj.load_state_dict(st[key])
 
     def _named_full(self, tensors: Sequence[torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """Tensors in the order of `trainable` by parameter name; under FSDP (sharded like the weights) gathered to
@@ -147,79 +135,94 @@ class CheckpointMixin:
         full = full_tensors(tensors, keep=self.dist.is_main)
         return dict(zip(self.trainable_names, full)) if full is not None else None
 
-    def save_checkpoint(self) -> Path:
-        """Rank 0 writes every state atomically as `checkpoints/iterNNNNNN/` (tensors.safetensors + state.json +
-        manifest.json with sha256, `checkpoint.save`); keeps the two newest."""
-        state = self.checkpoint_state()  # every rank takes part (RNG gather)
-        path = self.out / "checkpoints" / f"iter{self.iteration:06d}"
-        if self.dist.is_main:
-            checkpoint.save(
-                state, path, iteration=self.iteration, keep=2, fault=lambda phase: inject_point(phase, self.iteration)
-            )
-        return path
-
-    def latest_checkpoint(self) -> Path | None:
-        """The newest checkpoint that verifies; a damaged one is skipped with a warning naming it and the one used.
-        None for a fresh run folder; TrainingError (one line) when checkpoints exist but none is intact."""
-        try:
-            return checkpoint.find_latest(self.out / "checkpoints", warn=self.dist.is_main)
-        except checkpoint.CheckpointError as e:
-            raise TrainingError(f"cannot resume {self.out}: {e}") from None
-
-    def refuse_lost_checkpoints(self) -> None:
-        """A run folder without a checkpoint starts from iteration 0, which is right only if none was written yet: if
-        metrics.jsonl logged an iteration after the first checkpoint's, the checkpoints were lost, and starting over
-        would silently redo (and overwrite the record of) the whole run. TrainingError (one line) then."""
-        every, total = self.cfg.run.checkpoint_every, self.cfg.run.iterations
-        first = min(every, total) if every else total  # the first checkpoint is written at the end of this iteration
-        logged = last_logged_iteration(self.out / "metrics.jsonl")
-        if logged > first:
-            raise TrainingError(
-                f"cannot resume {self.out}: metrics.jsonl logged iterations up to {logged}, but there is no "
-                f"checkpoint in {self.out / 'checkpoints'} (the first one is written after iteration {first}); "
-                "restore the checkpoints, or use a new run folder to start from scratch"
-            )
-
-    def load_checkpoint(self, path: Path) -> None:
-        """Restore every state from checkpoint folder `path` (verified; never unpickles)."""
-        try:
-            st = checkpoint.load(path)
-        except checkpoint.CheckpointError as e:
-            raise TrainingError(str(e)) from None
-        load_model_state(self.model.net, st["model"])  # FSDP: each rank keeps its shard
-        load_optimizer_state(self.model.net, self.opt, self.trainable_names, st["optimizer"])
-        if st["ema"] is not None and self.dist.fsdp:  # the EMA is sharded like the weights
-            self.ema = shard_like([st["ema"][n] for n in self.trainable_names], self.trainable)
-        else:
-            self.ema = [st["ema"][n].to(self.device) for n in self.trainable_names] if st["ema"] is not None else None
-        if self.moving_ref is not None and st.get("kl_reference") is not None:
-            # a checkpoint without it (kl_reference=initial before): the reference stays the initial weights it was
-            self.moving_ref.load(shard_like([st["kl_reference"][n] for n in self.trainable_names],
-                                            self.moving_ref.tensors()))
-        if self.old_policy is not None and st.get("old_policy") is not None:
-            # a checkpoint without it (old_policy=current before): π_old stays the weights it was built from (θ)
-            self.old_policy.shadow = shard_like([st["old_policy"][n] for n in self.trainable_names], self.trainable)
-        self.credit_state = st["credit_state"]
-        self.gen.set_state(st["torch_rng"])
-        torch.set_rng_state(st["global_torch_rng"])
-        if st.get("rng_per_rank"):
-            set_rng_states(st["rng_per_rank"][min(self.dist.rank, len(st["rng_per_rank"]) - 1)])
-        self.prompt_sampler.load_state_dict(st["prompt_sampler"])
-        self.nonfinite.load_state_dict(st.get("faults", {}))
-        self.load_harness_state(st.get("harness", {}))
-        self.iteration = st["iteration"]
-
 
 # ---------------------------------------------------------------------------------------------------------------
-# The pieces of the state: every RNG, and model / optimizer / EMA states in the unsharded layout (FSDP gathered)
+# The run folder: config.yaml, checkpoints/, metrics.jsonl and the loggers
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def open_run_folder(out: Path, cfg: TrainConfig, state: TrainState) -> tuple[Any, list[Any]]:
+    """Make the run folder, write the resolved config, resume `state` from the newest intact checkpoint, and open
+    metrics.jsonl and the loggers (rank 0; (None, []) elsewhere). A folder whose checkpoints are all damaged stays
+    as it is (TrainingError)."""
+    from ..config.load import dump_yaml
+    from .loggers import build_loggers
+
+    dist = state.dist
+    ckpt = latest_checkpoint(out, dist.is_main)  # before anything is written
+    if ckpt is None:
+        refuse_lost_checkpoints(out, cfg)
+    if dist.is_main:
+        for d in (out, out / "checkpoints", out / "grids"):
+            d.mkdir(parents=True, exist_ok=True)
+        # the resolved config; a resumed run keeps its original config.yaml and records the new one beside it
+        exists = (out / "config.yaml").exists()
+        dump_yaml(cfg, out / ("config.resumed.yaml" if exists else "config.yaml"))
+    dist.barrier()
+    if ckpt is not None:
+        load_checkpoint(ckpt, state)
+        if dist.is_main:
+            print(f"resuming from {ckpt} (iteration {state.iteration})", file=sys.stderr, flush=True)
+    if not dist.is_main:
+        return None, []
+    for log_file in ("metrics.jsonl", "eval_curve.jsonl", "gold.jsonl"):  # a resumed run redoes later iterations
+        checkpoint.truncate_jsonl(out / log_file, state.iteration if ckpt is not None else -1)
+    metrics_f = open(out / "metrics.jsonl", "a")
+    try:  # default [tensorboard] is best effort: metrics.jsonl is the record of truth
+        loggers = build_loggers(cfg.run.loggers, out, dataclasses.asdict(cfg))
+    except ValueError as e:  # a named logger that is unknown or not installed: one line with the pip command
+        metrics_f.close()
+        raise TrainingError(str(e)) from None
+    return metrics_f, loggers
+
+
+def save_checkpoint(out: Path, state: TrainState) -> Path:
+    """Rank 0 writes every state atomically as `checkpoints/iterNNNNNN/` (tensors.safetensors + state.json +
+    manifest.json with sha256, `checkpoint.save`); keeps the two newest. Collective: every rank calls it."""
+    st = state.state_dict()  # every rank takes part (RNG gather, FSDP gathers)
+    path = out / "checkpoints" / f"iter{state.iteration:06d}"
+    if state.dist.is_main:
+        it = state.iteration
+        checkpoint.save(st, path, iteration=it, keep=2, fault=lambda phase: inject_point(phase, it))
+    return path
+
+
+def load_checkpoint(path: Path, state: TrainState) -> None:
+    """Restore `state` from checkpoint folder `path` (verified; never unpickles)."""
+    try:
+        st = checkpoint.load(path)
+    except checkpoint.CheckpointError as e:
+        raise TrainingError(str(e)) from None
+    state.load_state_dict(st, path)
+
+
+def latest_checkpoint(out: Path, warn: bool) -> Path | None:
+    """The newest checkpoint that verifies; a damaged one is skipped with a warning naming it and the one used.
+    None for a fresh run folder; TrainingError (one line) when checkpoints exist but none is intact."""
+    try:
+        return checkpoint.find_latest(out / "checkpoints", warn=warn)
+    except checkpoint.CheckpointError as e:
+        raise TrainingError(f"cannot resume {out}: {e}") from None
+
+
+def refuse_lost_checkpoints(out: Path, cfg: TrainConfig) -> None:
+    """A run folder without a checkpoint starts from iteration 0, which is right only if none was written yet: if
+    metrics.jsonl logged an iteration after the first checkpoint's, the checkpoints were lost, and starting over
+    would silently redo (and overwrite the record of) the whole run. TrainingError (one line) then."""
+    every, total = cfg.run.checkpoint_every, cfg.run.iterations
+    first = min(every, total) if every else total  # the first checkpoint is written at the end of this iteration
+    logged = last_logged_iteration(out / "metrics.jsonl")
+    if logged > first:
+        raise TrainingError(
+            f"cannot resume {out}: metrics.jsonl logged iterations up to {logged}, but there is no "
+            f"checkpoint in {out / 'checkpoints'} (the first one is written after iteration {first}); "
+            "restore the checkpoints, or use a new run folder to start from scratch"
+        )
 
 
 def last_logged_iteration(path: Path) -> int:
     """The largest `iteration` of the records in a metrics.jsonl (0 when there is none; unreadable lines are
     skipped)."""
-    import json
-
     last = 0
     if not path.is_file():
         return last
@@ -229,6 +232,11 @@ def last_logged_iteration(path: Path) -> int:
         except (ValueError, KeyError, TypeError, OverflowError):
             continue
     return last
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The pieces of the state: every RNG, and model / optimizer / EMA states in the unsharded layout (FSDP gathered)
+# ---------------------------------------------------------------------------------------------------------------
 
 
 def rng_states() -> dict[str, Any]:
