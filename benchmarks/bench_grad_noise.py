@@ -49,7 +49,7 @@ def gradients(preset: str, iters: int, threads: int, overrides: list[str]) -> tu
               "run.checkpoint_every=100000", "optim.inner_epochs=1", "optim.updates_per_epoch=1", *overrides]
         tr = Trainer(load_config(TrainConfig, preset, ov, preset_dirs=[PRESET_DIR]), preset)
         tr.setup()
-        tr.ema = None  # weights never move; keep the EMA out of it
+        tr.ema_weights.shadow = None  # weights never move; keep the EMA out of it
         grads: list[torch.Tensor] = []
 
         def record(*_a, **_k):

@@ -91,7 +91,7 @@ def test_trainer_logs_to_tensorboard_and_wandb(fake_wandb, tmp_path, model_path)
 
 
 def test_trainer_with_wandb_missing_is_one_line(monkeypatch, tmp_path, model_path):
-    from flowcredit.trainer.loop import TrainingError
+    from flowcredit.trainer.faults import TrainingError
 
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(TrainingError, match="pip install wandb"):

@@ -253,7 +253,7 @@ def test_zero_variance_groups_skip_update(tmp_path, model_path, method):
 
 
 def test_sampler_grid_model_needs_a_model_with_its_own_scheduler(tmp_path, model_path):
-    from flowcredit.trainer.state import TrainingError
+    from flowcredit.trainer.faults import TrainingError
 
     with pytest.raises(TrainingError, match="sampler.grid=model: model.name=tiny has no scheduler of its own"):
         make_trainer(tmp_path, model_path, "sampler.grid=model")

@@ -91,7 +91,7 @@ def test_kill9_in_every_phase_then_resume_is_bitwise_identical(tmp_path, model_p
     a, b = straight.model.net.state_dict(), final["model"]
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), f"weights differ after kills at {plan}"
-    for e, n in zip(straight.ema, straight.trainable_names):
+    for e, n in zip(straight.ema_weights.shadow, straight.trainable_names):
         assert torch.equal(e, final["ema"][n])
     st = straight.opt.state_dict()["state"]
     assert all(torch.equal(st[i]["exp_avg_sq"], final["optimizer"]["state"][i]["exp_avg_sq"]) for i in st)
@@ -167,7 +167,7 @@ def test_damaged_latest_checkpoint_is_skipped(tmp_path, model_path, damage):
 
 def test_all_checkpoints_damaged_is_an_error_not_a_restart(tmp_path, model_path, capsys):
     from flowcredit.cli.main import main
-    from flowcredit.trainer.loop import TrainingError
+    from flowcredit.trainer.faults import TrainingError
 
     d = _two_checkpoints(tmp_path, model_path, "run")
     for p in d.glob("iter*/tensors.safetensors"):

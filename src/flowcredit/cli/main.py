@@ -74,8 +74,8 @@ def _device_problem(device: str, key: str = "run.device") -> str | None:
 def cmd_train(ns) -> int:
     from ..config import ConfigError, describe
     from ..config.schema import TrainConfig
-    from ..trainer.faults import RunStopped
-    from ..trainer.loop import Trainer, TrainingError
+    from ..trainer.faults import RunStopped, TrainingError
+    from ..trainer.loop import Trainer
 
     if ns.help_config:  # the schema, then every registry's implementations and their options (generated)
         from ..config.registry import describe_registries

@@ -94,3 +94,16 @@ def time_grid(
 def _check_shift(shift: float) -> None:
     if not shift > 0:
         raise ValueError(f"shift must be > 0 (1 = no shift, SD3.5 uses 3.0), got {shift!r}.")
+
+
+def rollout_grid(sampler_cfg, model, model_name: str) -> torch.Tensor:
+    """(T+1,) rollout grid: sampler.grid = model → the model's own scheduler sigmas (`model.time_grid(T)`), else
+    `time_grid` at sampler.shift. ValueError (one line) when the model has no scheduler of its own."""
+    sc = sampler_cfg
+    if sc.grid != "model":
+        return time_grid(sc.num_steps, sc.shift, sc.grid)
+    own = getattr(model, "time_grid", None)
+    if not callable(own):
+        raise ValueError(f"sampler.grid=model: model.name={model_name} has no scheduler of its own; "
+                         "use sampler.grid=uniform or diffusers with sampler.shift")
+    return own(sc.num_steps).float().cpu()

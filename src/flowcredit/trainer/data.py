@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -65,3 +66,40 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rng.bit_generator.state = state["rng"]
+
+
+@dataclasses.dataclass
+class RunInputs:
+    """What a run reads before anything is built: the prompt splits, the prompt sampler, reward and objective."""
+
+    train_prompts: PromptSet
+    eval_prompts: PromptSet | None  # None without run.eval_at_end / run.eval_every
+    prompt_sampler: PromptSampler
+    reward_fn: Any
+    objective: Any
+
+
+def load_run_inputs(cfg) -> RunInputs:
+    """Read and check a run's inputs (cfg: TrainConfig); bad input is one TrainingError line naming the key, raised
+    before anything is written."""
+    from ..objectives import build_objective
+    from ..rewards.registry import reward_from_config
+    from ..shapes.prompts import load_prompts
+    from .faults import one_line
+
+    with one_line("data.train_prompts: "):
+        train = load_prompts(cfg.data.train_prompts)
+    with one_line():
+        d = cfg.data
+        sampler = PromptSampler(train, cfg.run.seed, d.balance_tags, d.tag_weights)
+        reward_fn = reward_from_config(cfg.reward)
+        objective = build_objective(cfg.objective.name, cfg.objective.options, cfg)
+    check = getattr(reward_fn, "check_prompts", None)  # a reward may require prompt metadata (shapes)
+    if callable(check):
+        with one_line("data.train_prompts: "):
+            check(train.metadata, train.source)
+    evals = None
+    if cfg.run.eval_at_end or cfg.run.eval_every:
+        with one_line("run.eval_prompts: "):
+            evals = load_prompts(cfg.run.eval_prompts)
+    return RunInputs(train, evals, sampler, reward_fn, objective)

@@ -179,3 +179,32 @@ class RunEvaluation:
             ).encode()
         )
         return Path(self.cfg.run.eval_baseline_cache) / f"{h.hexdigest()}.json"
+
+
+def guard_step(guard, iteration: int, metrics: dict[str, Any], cfg, model, ema_weights, trainable, gold_file: Path,
+               is_main: bool) -> None:
+    """One look of the hacking guard (`harness.HackingGuard`, run.gold_reward): it sees the training reward and
+    diversity of `metrics` every iteration and the held-out gold reward, sampled with the EMA weights, every
+    run.gold_every iterations; rank 0 appends its line to gold.jsonl and prints an alarm or warning on stderr."""
+    import sys
+
+    from ..eval.evaluate import generate
+
+    rc = cfg.run
+
+    def sample(prompts, metadata):
+        model.eval()
+        with ema_weights.swapped_in(trainable):
+            return generate(model, prompts, steps=rc.eval_steps, guidance=rc.eval_guidance, seed=rc.seed + 999,
+                            shift=cfg.sampler.shift)
+
+    line = guard.step(iteration, metrics, sample)
+    if line is None or not is_main:  # FSDP: the other ranks only joined the sharded forwards
+        return
+    with open(gold_file, "a") as f:
+        f.write(json.dumps(line) + "\n")
+    if line["alarm"]:
+        print(f"warning: reward-hacking alarm at iteration {iteration}: {line['message']}", file=sys.stderr)
+    elif line["warning"]:
+        print(f"note: gold fell at iteration {iteration} (per-look test, no alarm): {line['message']}",
+              file=sys.stderr)

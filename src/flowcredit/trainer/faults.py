@@ -20,12 +20,13 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,6 +36,15 @@ ENV_INJECT = "FLOWCREDIT_FAULT_INJECT"
 
 class TrainingError(RuntimeError):
     """A run cannot start or continue; the message is one line saying what to fix."""
+
+
+@contextlib.contextmanager
+def one_line(prefix: str = "") -> Iterator[None]:
+    """Bad input found while building the run (a ValueError) becomes one TrainingError line, prefixed with the key."""
+    try:
+        yield
+    except ValueError as e:
+        raise TrainingError(f"{prefix}{e}") from None
 
 
 class RunStopped(RuntimeError):

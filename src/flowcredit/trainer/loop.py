@@ -12,20 +12,16 @@
         backward → Σ over ranks → clip → optimizer step → EMA
     log → checkpoint
 
-Only this file touches the optimizer, the reference model and the run folder; the harness (time budget, EMA, hacking
-guard, FSDP padding, stop conditions) is in `harness.py`, checkpoint contents in `state.py`. Ratio parity: when the
-update is strictly on-policy, θ_old = θ and the ratio is exactly 1; the rollout's log-probs are compared with the
-recomputed ones every iteration (`parity_max_abs_dlogp`). Scale and faults: docs/SCALING.md (`distributed.py`,
-`faults.py`, `flowcredit/checkpoints.py`); only rank 0 writes.
+The phases return typed records (`records.py`); what a checkpoint holds is `state.TrainState`; the harness (time
+budget, EMA, hacking guard, FSDP padding, stop conditions) is `harness.py`. On-policy, θ_old = θ and the ratio is
+exactly 1; the rollout's log-probs are compared with the recomputed ones every iteration (`parity_max_abs_dlogp`).
+Scale and faults: docs/SCALING.md; only rank 0 writes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,25 +32,25 @@ from ..config.schema import TrainConfig
 from ..credit.base import CreditInput
 from ..credit.registry import assign_credit, needs_instant_rewards, needs_step_rewards
 from ..models.factory import build_model, set_trainable  # (also: the model registry is known to the config)
-from ..objectives import LossContext, build_objective
+from ..objectives import LossContext
 from ..rewards.guards import group_diversity
 from ..samplers.policy import nfe_per_sample
 from ..samplers.rollout import rollout
-from ..samplers.schedules import time_grid
+from ..samplers.schedules import rollout_grid
 from ..types import cond_repeat
+from .data import load_run_inputs
 from .distributed import (
     Chunk,
     Dist,
     Shard,
-    apply_fsdp,
-    clip_grad_norm,
     layout_noise,
     plan_update,
     seed_global_rngs,
     step_draw_window,
 )
-from .evaluation import RunEvaluation
-from .faults import NonFiniteGuard, RetryingCall, TrainingError, first_nonfinite, inject_point
+from .evaluation import RunEvaluation, guard_step
+from .faults import NonFiniteGuard, RetryingCall, first_nonfinite, inject_point, one_line
+from .fsdp import apply_fsdp, clip_grad_norm
 from .harness import (
     DistPadding,
     EMAWeights,
@@ -68,19 +64,16 @@ from .harness import (
 )
 from .intermediate import intermediate_rewards
 from .loggers import check_logger_names, save_grid, write_metrics
-from .memory import ReferenceOffload, build_optimizer, enable_gradient_checkpointing, keep_freed_host_memory
+from .memory import (
+    KLReferences,
+    ReferenceOffload,
+    build_optimizer,
+    enable_gradient_checkpointing,
+    keep_freed_host_memory,
+)
 from .preflight import check_memory
 from .records import Credit, Iteration, Rollout, Scores, UpdatePlan, UpdateStats
 from .state import TrainState, open_run_folder, save_checkpoint
-
-
-@contextlib.contextmanager
-def _one_line(prefix: str = ""):
-    """Bad input found while building the run (a ValueError) becomes one TrainingError line, prefixed with the key."""
-    try:
-        yield
-    except ValueError as e:
-        raise TrainingError(f"{prefix}{e}") from None
 
 
 class Trainer:
@@ -94,36 +87,30 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
+        """Build everything; inputs are checked first, so bad input writes nothing (one TrainingError line)."""
         cfg = self.cfg
-        from ..rewards.registry import build_reward, reward_from_config
-        from ..shapes.prompts import load_prompts
-        from .data import PromptSampler
-
         seed_global_rngs(cfg.run.seed)  # before anything is built: the same weights in every run and on every rank
 
-        # --- validate inputs first: nothing is written to the run folder on bad input -----------------------
-        with _one_line("data.train_prompts: "):
-            self.train_prompts = load_prompts(cfg.data.train_prompts)
-        with _one_line():
-            d = cfg.data
-            self.prompt_sampler = PromptSampler(self.train_prompts, cfg.run.seed, d.balance_tags, d.tag_weights)
-            self.reward_fn = reward_from_config(cfg.reward)
-            self.objective = build_objective(cfg.objective.name, cfg.objective.options, cfg)
-        check = getattr(self.reward_fn, "check_prompts", None)  # a reward may require prompt metadata (shapes)
-        if callable(check):
-            with _one_line("data.train_prompts: "):
-                check(self.train_prompts.metadata, self.train_prompts.source)
-        if cfg.run.eval_at_end or cfg.run.eval_every:
-            with _one_line("run.eval_prompts: "):
-                self.eval_prompts = load_prompts(cfg.run.eval_prompts)
+        # validate inputs first: nothing is written to the run folder on bad input (one line naming the key)
+        inputs = load_run_inputs(cfg)
+        self.train_prompts, self.eval_prompts = inputs.train_prompts, inputs.eval_prompts
+        self.prompt_sampler, self.reward_fn, self.objective = inputs.prompt_sampler, inputs.reward_fn, inputs.objective
 
+        self._build_model()
+        self._build_harness()
+        self._open_run()
+
+    def _build_model(self) -> None:
+        """Processes, the model and its trainable set, KL references, memory preflight, FSDP sharding."""
+        cfg = self.cfg
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         if cfg.run.keep_freed_memory:
             keep_freed_host_memory()
         self.dist = Dist.create(cfg.dist.enabled, cfg.run.device)  # accelerate when launched on N processes
-        with _one_line():
+        with one_line():
             dist = self.dist
+            d = cfg.data
             self.shard = Shard.create(d.prompts_per_iter, d.group_size, dist.rank, dist.world_size,
                                       cfg.dist.split_groups)
         self.device = torch.device(self.dist.device)
@@ -131,31 +118,28 @@ class Trainer:
         self.trainable = set_trainable(self.model, cfg.model.trainable)
         self.trainable_names = [n for n, p in self.model.net.named_parameters() if p.requires_grad]
         self.model.train()
-        # Reference policy for the KL: a frozen copy of the initial weights, or, for LoRA models, the model itself with
-        # its adapter disabled (`model.reference()` context, no copy). optim.kl_reference=ema: always a copy (LoRA
-        # included), whose trainable weights then follow the policy as a slow EMA (harness.MovingReference).
-        self.ref_model = None
-        moving = cfg.optim.kl_reference == "ema"
-        if cfg.optim.kl_beta > 0 and (moving or not hasattr(self.model, "reference")):
-            self.ref_model = copy.deepcopy(self.model).requires_grad_(False).eval()
-        # optim.kl_base_beta > 0: a second KL term to the initial weights beside the EMA reference (AWM): for LoRA the
-        # adapter-disabled model (`model.reference()`, no copy), else a second frozen copy
-        self.base_model = None
-        if cfg.optim.kl_base_beta > 0 and not hasattr(self.model, "reference"):
-            self.base_model = copy.deepcopy(self.model).requires_grad_(False).eval()
+        self.refs = KLReferences(self.model, cfg.optim.kl_beta, cfg.optim.kl_reference == "ema",
+                                 cfg.optim.kl_base_beta)  # π_ref (and the base of kl_base_beta): copies or LoRA off
+        self.ref_model, self.base_model = self.refs.ref_model, self.refs.base_model
         self.ref_offload = ReferenceOffload(self.ref_model, self.device, cfg.optim.offload_reference)
         if cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
-        with _one_line():  # a batch too large for memory fails here, before anything is written (trainer/preflight.py)
+        with one_line():  # a batch too large for memory fails here, before anything is written (trainer/preflight.py)
             has_ref = self.ref_model is not None
             check_memory(cfg, self.model, self.device, self.dist.world_size, reference_loaded=has_ref)
             check_logger_names(cfg.run.loggers)
         if cfg.dist.fsdp:  # shard the network (and the reference copy unless it is offloaded) over the processes
-            with _one_line():
+            with one_line():
                 sharded = apply_fsdp(self.dist, self.model, None if self.ref_offload.enabled else self.ref_model,
                                      groups_per_rank_even=cfg.data.prompts_per_iter % self.dist.world_size == 0,
                                      more_refs=[self.base_model] if self.base_model is not None else [])
             self.trainable = sharded if sharded is not None else self.trainable
+
+    def _build_harness(self) -> None:
+        """Optimizer, EMA, moving reference, soft π_old, hacking guard, time budget, lr schedule, time grid."""
+        from ..rewards.registry import build_reward
+
+        cfg = self.cfg
         self.initial_state = None
         if cfg.run.eval_baseline and cfg.run.eval_at_end:
             self.initial_state = {k: v.detach().clone() for k, v in self.model.net.state_dict().items()}
@@ -165,7 +149,7 @@ class Trainer:
         # the harness (trainer/harness.py): EMA of the weights, hacking guard, time budget; all saved in checkpoints
         self.ema_weights = EMAWeights(self.trainable, cfg.optim.ema_decay)
         self.moving_ref = None
-        if self.ref_model is not None and moving:
+        if self.ref_model is not None and oc.kl_reference == "ema":
             self.moving_ref = MovingReference(self.ref_model.net, self.trainable_names, oc.kl_reference_decay,
                                               oc.kl_reference_decay_rate)
         # nft's old_policy=soft (optional Objective attribute `old_policy_decay`, objectives/base.py): π_old is a
@@ -177,7 +161,8 @@ class Trainer:
         decay_iters = min(cfg.run.iterations, oc.lr_decay_iterations or cfg.run.iterations)
         self.lr_schedule = LRSchedule(oc.lr, oc.lr_schedule, oc.lr_final, oc.warmup_iters, decay_iters)
         seed_global_rngs(cfg.run.seed, self.dist.rank)  # built: later global draws (a plugin's dropout) per rank
-        self.timesteps = self._time_grid()
+        with one_line():
+            self.timesteps = rollout_grid(cfg.sampler, self.model, cfg.model.name)
         self.params = cfg.sampler  # the step parameters (config.schema.SamplerParams is SamplerCfg's base)
         self.nonfinite = NonFiniteGuard(cfg.faults.max_nonfinite, self.dist.is_main)
         self.padding = DistPadding(self.dist, cfg.optim.micro_batch)  # FSDP: equal micro-batch passes on every rank
@@ -185,22 +170,16 @@ class Trainer:
         self.call_reward = RetryingCall(fc.reward_retries, fc.reward_backoff, fc.reward_timeout)
         self.uncond1 = self.model.encode_prompts([""]) if cfg.sampler.guidance_scale != 1.0 else None
 
-        # --- the run folder ---------------------------------------------------------------------------------
+
+    def _open_run(self) -> None:
+        """The run folder: its evaluations, the TrainState, config.yaml, resume, metrics.jsonl and loggers."""
+        cfg = self.cfg
         out = cfg.run.out_dir or f"runs/{self.preset_name}-{time.strftime('%Y%m%d-%H%M%S')}"
         self.out = Path(self.dist.broadcast_object(out))  # rank 0 writes; every rank reads the checkpoint
         self.evaluation = None
         if cfg.run.eval_at_end or cfg.run.eval_every:
-            self.evaluation = RunEvaluation(
-                cfg,
-                self.model,
-                self.reward_fn,
-                self.eval_prompts,
-                self.initial_state,
-                self.dist,
-                self.out,
-                self.ema_weights,
-                self.trainable,
-            )
+            self.evaluation = RunEvaluation(cfg, self.model, self.reward_fn, self.eval_prompts, self.initial_state,
+                                            self.dist, self.out, self.ema_weights, self.trainable)
         # what a checkpoint holds (trainer/state.py); the trainer updates these objects as it trains
         self.state = TrainState(
             model=self.model, model_name=cfg.model.name, opt=self.opt, trainable=self.trainable,
@@ -406,11 +385,11 @@ class Trainer:
             return UpdatePlan(None, adv, [], n_pairs, n_computed, lr)
         ctx = LossContext(
             model=self.model, traj=traj, cond=ro.cond, uncond=ro.uncond, guidance=cfg.sampler.guidance_scale,
-            params=self.params, reference=self._reference, on_policy=on_policy, seed=cfg.run.seed,
+            params=self.params, reference=self.refs.reference, on_policy=on_policy, seed=cfg.run.seed,
             iteration=self.iteration + 1, kl_beta=oc.kl_beta, micro_batch=oc.micro_batch, ref_offload=self.ref_offload,
             row_start=self.shard.start, batch_global=self.shard.global_batch,
             old_policy=self._old_weights if self.old_policy is not None else None,
-            kl_base_beta=oc.kl_base_beta, base_reference=self._base_reference if oc.kl_base_beta > 0 else None,
+            kl_base_beta=oc.kl_base_beta, base_reference=self.refs.base if oc.kl_base_beta > 0 else None,
         )
         self.model.train()
         plan = UpdatePlan(ctx, adv, epochs, n_pairs, n_computed, lr)
@@ -472,49 +451,12 @@ class Trainer:
             out.old_policy_decay = self.old_policy.update(self.trainable)
         return out
 
-    def guard(self, stats: dict[str, Any]) -> None:
-        """Hacking guard (run.gold_reward): the alarm sees the training reward and diversity every iteration and the
-        held-out gold reward (sampled with the EMA weights) every run.gold_every iterations; gold.jsonl, stderr."""
-        if self.guard_ is None or not self.dist.evaluates:
-            return
-        from ..eval.evaluate import generate
-
-        rc = self.cfg.run
-
-        def sample(prompts, metadata):
-            self.model.eval()
-            with self.ema_weights.swapped_in(self.trainable):
-                return generate(
-                    self.model,
-                    prompts,
-                    steps=rc.eval_steps,
-                    guidance=rc.eval_guidance,
-                    seed=rc.seed + 999,
-                    shift=self.cfg.sampler.shift,
-                )
-
-        line = self.guard_.step(self.iteration, stats, sample)
-        if line is None or not self.dist.is_main:  # FSDP: the other ranks only joined the sharded forwards
-            return
-        with open(self.out / "gold.jsonl", "a") as f:
-            f.write(json.dumps(line) + "\n")
-        if line["alarm"]:
-            print(f"warning: reward-hacking alarm at iteration {self.iteration}: {line['message']}", file=sys.stderr)
-        elif line["warning"]:
-            print(f"note: gold fell at iteration {self.iteration} (per-look test, no alarm): {line['message']}",
-                  file=sys.stderr)
-
-    def _time_grid(self) -> torch.Tensor:
-        """(T+1,) rollout grid: sampler.grid = model → the model's own scheduler sigmas (`model.time_grid`), else
-        `samplers.schedules.time_grid` at sampler.shift."""
-        sc = self.cfg.sampler
-        if sc.grid != "model":
-            return time_grid(sc.num_steps, sc.shift, sc.grid)
-        own = getattr(self.model, "time_grid", None)
-        if not callable(own):
-            raise TrainingError(f"sampler.grid=model: model.name={self.cfg.model.name} has no scheduler of its own; "
-                                "use sampler.grid=uniform or diffusers with sampler.shift")
-        return own(sc.num_steps).float().cpu()
+    def guard(self, metrics: dict[str, Any]) -> None:
+        """Hacking guard (run.gold_reward, `evaluation.guard_step`): the training reward and diversity every
+        iteration, the held-out gold reward of the EMA weights every run.gold_every iterations → gold.jsonl."""
+        if self.guard_ is not None and self.dist.evaluates:
+            guard_step(self.guard_, self.iteration, metrics, self.cfg, self.model, self.ema_weights, self.trainable,
+                       self.out / "gold.jsonl", self.dist.is_main)
 
     def _old_weights(self):
         """Context in which the model holds π_old's weights: the soft-updated copy of nft's old_policy=soft
@@ -522,21 +464,6 @@ class Trainer:
         if self.old_policy is None:
             return contextlib.nullcontext()
         return self.old_policy.swapped_in(self.trainable)
-
-    def _reference(self):
-        """Context yielding the reference policy π_ref: a frozen copy of the initial weights (optim.kl_reference=ema:
-        moving as a slow EMA of the policy), or the model itself with its LoRA adapter disabled when it provides
-        `reference()` (Flow-GRPO: `disable_adapter()`)."""
-        if self.ref_model is not None:
-            return contextlib.nullcontext(self.ref_model)
-        return self.model.reference()
-
-    def _base_reference(self):
-        """Context yielding the initial weights for the second KL term (optim.kl_base_beta): the frozen copy, or the
-        LoRA model with its adapter disabled (AWM's `disable_adapter()`)."""
-        if self.base_model is not None:
-            return contextlib.nullcontext(self.base_model)
-        return self.model.reference()
 
     # ------------------------------------------------------------------------------------------- logging / io
     def log(self, stats: dict[str, Any]) -> None:
@@ -547,15 +474,6 @@ class Trainer:
     def save_grid(self, images: torch.Tensor, prompts: list[str]) -> None:
         if self.dist.is_main:
             save_grid(images, prompts, self.cfg.data.group_size, self.out / "grids", self.iteration)
-
-    @property
-    def ema(self) -> list[torch.Tensor] | None:
-        """The EMA weights in the order of `self.trainable` (None when optim.ema_decay = 0)."""
-        return self.ema_weights.shadow
-
-    @ema.setter
-    def ema(self, tensors: list[torch.Tensor] | None) -> None:
-        self.ema_weights.shadow = tensors
 
     def periodic_eval(self) -> None:
         assert self.evaluation is not None, "run.eval_every builds the evaluation in setup()"

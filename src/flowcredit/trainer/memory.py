@@ -6,6 +6,8 @@ arithmetic as without them; each trades host↔device copies or recomputation fo
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import warnings
 from collections.abc import Sequence
 from typing import cast
@@ -60,6 +62,39 @@ class OffloadedAdamW:
 
 def build_optimizer(params: Sequence[torch.nn.Parameter], offload: bool, **kw):
     return OffloadedAdamW(params, **kw) if offload else torch.optim.AdamW(params, **kw)
+
+
+class KLReferences:
+    """The KL references of a run (GRPO's β·KL, AWM's two terms), as contexts yielding a model.
+
+    π_ref (`reference()`): a frozen copy of the initial weights, or, for LoRA models, the model itself with its
+    adapter disabled (`model.reference()`, Flow-GRPO's `disable_adapter()`, no copy). optim.kl_reference=ema: always a
+    copy (LoRA included), whose trainable weights then follow the policy as a slow EMA (`harness.MovingReference`).
+    optim.kl_base_beta > 0 (`base()`): a second KL term to the initial weights beside the EMA reference (AWM): for LoRA
+    the adapter-disabled model, else a second frozen copy.
+    """
+
+    def __init__(self, model, kl_beta: float, moving: bool, kl_base_beta: float):
+        lora = hasattr(model, "reference")
+        self.model = model
+        self.ref_model = None
+        if kl_beta > 0 and (moving or not lora):
+            self.ref_model = copy.deepcopy(model).requires_grad_(False).eval()
+        self.base_model = None
+        if kl_base_beta > 0 and not lora:
+            self.base_model = copy.deepcopy(model).requires_grad_(False).eval()
+
+    def reference(self):
+        """Context yielding π_ref."""
+        if self.ref_model is not None:
+            return contextlib.nullcontext(self.ref_model)
+        return self.model.reference()
+
+    def base(self):
+        """Context yielding the initial weights of the second KL term (optim.kl_base_beta)."""
+        if self.base_model is not None:
+            return contextlib.nullcontext(self.base_model)
+        return self.model.reference()
 
 
 class ReferenceOffload:
