@@ -366,6 +366,28 @@ class Chunk(NamedTuple):
     pairs: list[tuple[int, int]]
 
 
+def drawn_pairs(B: int, steps_ok: list[int], steps_per_sample: int, seed: int, iteration: int,
+                step_groups: list[int] | None, step_draw: str) -> list[tuple[int, int]]:
+    """The (row, step) pairs an update may train: every allowed step of every row (steps_per_sample = 0), or
+    `steps_per_sample` of them per row drawn by `step_draw` (see `plan_update`), seeded per (seed, iteration, row) or
+    per prompt group with `step_groups`."""
+    if steps_per_sample <= 0:
+        return [(b, j) for b in range(B) for j in steps_ok]
+    pairs = []
+    for b in range(B):
+        key = b if step_groups is None else B + int(step_groups[b])  # group keys never collide with row keys
+        gen = derived_generator(seed, STREAM_STEP_SUBSET, iteration, key)
+        if step_draw == "systematic":
+            u = float(torch.rand((), generator=gen, dtype=torch.float64))
+            picked = systematic_steps(len(steps_ok), steps_per_sample, u)
+        elif step_draw == "awm":
+            picked = awm_steps(len(steps_ok), steps_per_sample, torch.rand(steps_per_sample, generator=gen))
+        else:
+            picked = torch.randperm(len(steps_ok), generator=gen)[:steps_per_sample].tolist()
+        pairs += [(b, steps_ok[int(i)]) for i in picked]
+    return pairs
+
+
 def plan_update(
     adv_global: torch.Tensor,
     step_mask: torch.Tensor,
@@ -422,21 +444,7 @@ def plan_update(
     B, T = adv_global.shape
     mask = step_mask.tolist()
     steps_ok = [j for j in range(T) if mask[j]]
-    if steps_per_sample > 0:
-        pairs = []
-        for b in range(B):
-            key = b if step_groups is None else B + int(step_groups[b])  # group keys never collide with row keys
-            gen = derived_generator(seed, STREAM_STEP_SUBSET, iteration, key)
-            if step_draw == "systematic":
-                u = float(torch.rand((), generator=gen, dtype=torch.float64))
-                picked = systematic_steps(len(steps_ok), steps_per_sample, u)
-            elif step_draw == "awm":
-                picked = awm_steps(len(steps_ok), steps_per_sample, torch.rand(steps_per_sample, generator=gen))
-            else:
-                picked = torch.randperm(len(steps_ok), generator=gen)[:steps_per_sample].tolist()
-            pairs += [(b, steps_ok[int(i)]) for i in picked]
-    else:
-        pairs = [(b, j) for b in range(B) for j in steps_ok]
+    pairs = drawn_pairs(B, steps_ok, steps_per_sample, seed, iteration, step_groups, step_draw)
     nz = (adv_global != 0).tolist()
     if skip_zero_adv and loss_mean == "nonzero":  # zero advantage and no KL term: out of the plan and the mean
         pairs = [(b, j) for (b, j) in pairs if nz[b][j]]
