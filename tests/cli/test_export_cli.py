@@ -2,7 +2,8 @@
 
 import torch
 
-from flowcredit.cli.main import load_any_model, main
+from flowcredit.cli.inference import load_any_model
+from flowcredit.cli.main import main
 from flowcredit.models.tiny import TinyDiTConfig, TinyFlowModel
 
 

@@ -418,7 +418,7 @@ def test_checkpoint_every_zero_saves_only_at_the_end(tmp_path, model_path):
 
 def test_lora_trains_only_the_adapter_and_checkpoints_load_as_a_plain_model(tmp_path, model_path):
     pytest.importorskip("peft")
-    from flowcredit.cli.main import load_any_model
+    from flowcredit.cli.inference import load_any_model
 
     common = ("model.trainable=lora", "model.lora_rank=4", "model.lora_alpha=8", "optim.kl_beta=0.04", "optim.lr=1e-2",
               "optim.weight_decay=0", "optim.ema_decay=0", "run.checkpoint_every=1")
