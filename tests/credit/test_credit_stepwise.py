@@ -199,3 +199,27 @@ def test_missing_step_rewards_error():
     inp = CreditInput(rewards=torch.zeros(2), group_ids=torch.tensor([0, 0]), step_mask=mask)
     with pytest.raises(ValueError, match="step_rewards"):
         assign_credit(CreditCfg(name="stepwise"), inp)
+
+
+def test_drawn_states_normalize_over_the_drawn_gains_only():
+    # states=drawn: row 0 drew steps {0, 2}, row 1 drew {1, 2}; gains (ρ from RHO above) of the drawn pairs:
+    # row 0: g0 = 1, g2 = 3; row 1: g1 = -2, g2 = 2. Joint normalization over these four: mean 1, deviations
+    # [0, 2, -3, 1], squares 0 + 4 + 9 + 1 = 14, variance 3.5, std 1.870829; every other pair gets 0 (row 0's g1
+    # has both states known through its neighbours, but was not drawn).
+    gain_mask = torch.tensor([[True, False, True], [False, True, True]])
+    rho = RHO.clone()
+    rho[1, 0] = 0.0  # not estimated: its value is never read
+    inp = CreditInput(rewards=rho[:, -1].clone(), group_ids=torch.tensor([0, 0]),
+                      step_mask=torch.ones(3, dtype=torch.bool), step_rewards=rho, gain_mask=gain_mask)
+    out = stepwise_advantages(inp, StepwiseOptions(states="drawn"), CreditCfg(name="stepwise"))
+    s = 1.870829 + EPS
+    expected = torch.tensor([[0.0, 0.0, 2 / s], [0.0, -3 / s, 1 / s]])
+    torch.testing.assert_close(out.advantages, expected, atol=1e-5, rtol=0)
+    assert out.stats["drawn_gains"] == 4
+
+
+def test_drawn_states_refuse_gae_and_the_ema_baseline():
+    with pytest.raises(ValueError, match="states=drawn"):
+        StepwiseOptions(states="drawn", use_gae=True)
+    with pytest.raises(ValueError, match="states=drawn"):
+        StepwiseOptions(states="drawn", baseline="ema")

@@ -112,3 +112,18 @@ def test_shared_initial_requires_shared_noise(toy_model):
     cond, uncond = _conds(toy_model, PROMPTS)
     with pytest.raises(ValueError, match="shared=True"):
         trajectory_estimates(toy_model, traj, cond, uncond, 1.0, 2, 4, shared_initial=True)
+
+
+def test_only_the_requested_states_are_estimated(toy_model):
+    """states (B, T) bool (stepwise states=drawn): the requested states equal the full estimate, the others cost
+    nothing; with a shared x_T a group's state 0 is estimated once if any member asks for it."""
+    traj = _traj(toy_model, 3.0, shared=True)
+    cond, uncond = _conds(toy_model, PROMPTS)
+    full = trajectory_estimates(toy_model, traj, cond, uncond, 3.0, substeps=2, chunk_size=3, shared_initial=True)
+    states = torch.tensor([[False, True, False], [True, False, False], [False, False, True], [False, False, False]])
+    part = trajectory_estimates(toy_model, traj, cond, uncond, 3.0, 2, 3, shared_initial=True, states=states)
+    # by hand: group 0 needs state 0 (row 1) → 1 state-0 estimate; plus (0, 1) and (2, 2) → 3 states × 1 call × 2
+    assert part.nfe == 6
+    for b, j in [(0, 1), (1, 0), (2, 2)]:
+        torch.testing.assert_close(part.x0_hat[b, j], full.x0_hat[b, j])
+    torch.testing.assert_close(part.x0_hat[0, 0], full.x0_hat[0, 0])  # row 0 shares its group's state 0

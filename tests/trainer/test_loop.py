@@ -93,6 +93,12 @@ def spy_update(tr):
     return seen
 
 
+def over_budget(tr, iter_seconds: list[float], fwd_rates: list[float]) -> bool:
+    """run.budget_minutes with the given measurements (`harness.TimeBudget.over`)."""
+    tr.budget.iter_seconds, tr.budget.fwd_rates = list(iter_seconds), list(fwd_rates)
+    return tr.budget.over()
+
+
 def read_metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -690,11 +696,11 @@ def test_budget_prediction_uses_the_measured_rates(tmp_path, model_path, monkeyp
     monkeypatch.setattr("flowcredit.trainer.loop.time.time", lambda: now)
     # 30 s elapsed + 5 s per iteration + (1.1 · fwd / rate + 10 s) of evaluation vs a 60 s budget
     fits = fwd / ((60 - 30 - 5 - 10 - 1) / 1.1)  # a rate that leaves 1 s spare
-    assert tr.over_budget([5.0, 5.0, 5.0], [fits, fits]) is False
-    assert tr.over_budget([5.0, 5.0, 5.0], [fits / 2, fits / 2]) is True
-    assert tr.over_budget([], []) is False  # nothing measured yet: the first iteration runs
+    assert over_budget(tr, [5.0, 5.0, 5.0], [fits, fits]) is False
+    assert over_budget(tr, [5.0, 5.0, 5.0], [fits / 2, fits / 2]) is True
+    assert over_budget(tr, [], []) is False  # nothing measured yet: the first iteration runs
     tr.budget.budget_s = 0.0  # harness.TimeBudget of run.budget_minutes = 0
-    assert tr.over_budget([5.0], [1e-9]) is False  # no budget
+    assert over_budget(tr, [5.0], [1e-9]) is False  # no budget
 
 
 def test_lr_schedule_sets_the_optimizer_lr_each_update(tmp_path, model_path):
@@ -819,3 +825,30 @@ def test_awm_options_config_errors_are_one_line(tmp_path, model_path):
         with pytest.raises(ConfigError, match=match) as e:
             make_cfg(tmp_path, model_path, *overrides)
         assert "\n" not in str(e.value), str(e.value)
+
+
+def test_stepwise_drawn_states_estimate_only_what_the_drawn_pairs_need(tmp_path, model_path):
+    """credit.options.states=drawn: the update's pairs are drawn first; only the states x^(j), x^(j+1) of the drawn
+    pairs are estimated and scored; advantages are non-zero only on drawn pairs; the same pairs are trained."""
+    from flowcredit.trainer.intermediate import drawn_mask
+
+    steps = 8  # 7 trainable steps, 3 drawn per sample: most states are not needed
+    common = ("method=stepwise", "estimate.substeps=2", f"sampler.num_steps={steps}")
+    full = make_trainer(tmp_path, model_path, *common, out="all", reward=image_mean_reward)
+    drawn = make_trainer(tmp_path, model_path, *common, "credit.options.states=drawn", out="drawn",
+                         reward=image_mean_reward)
+    seen = spy_update(drawn)
+    m_all, m_drawn = full.train_step().metrics(), drawn.train_step().metrics()
+    pairs = drawn._draw_pairs(seen["traj"])
+    assert len(pairs) == B * 3 and m_drawn["pairs_planned"] == m_all["pairs_planned"] == B * 3
+    nonzero = {(int(b), int(j)) for b, j in zip(*torch.nonzero(seen["adv"], as_tuple=True))}
+    assert nonzero and nonzero <= set(pairs)  # no advantage outside the drawn pairs
+    # the NFEs of the estimates: one call per estimated state (T′ = 2, the rollout velocity reused), a group's shared
+    # state 0 once, ×2 for CFG; the full arm estimates all 8 states (state 0 once per group)
+    _, states = drawn_mask(pairs, B, steps)
+    groups_at_0 = {int(g) for g, need in zip(seen["traj"].group_ids, states[:, 0]) if need}
+    n_states = int(states[:, 1:].sum()) + len(groups_at_0)
+    cfg_mult = 2 if drawn.cfg.sampler.guidance_scale != 1.0 else 1
+    assert m_drawn["nfe_estimates"] == n_states * cfg_mult
+    assert m_all["nfe_estimates"] == (B * (steps - 1) + P) * cfg_mult > m_drawn["nfe_estimates"]
+    assert m_drawn["reward_calls"] == B + n_states and m_drawn["credit/drawn_gains"] == B * 3

@@ -43,6 +43,8 @@ class CreditInput:
             when the initial noise is shared (§4.1). Needed by ``stepwise``.
         instant_rewards: (B, T) VGPO instant rewards I_j, or None. With T′ = 1, I_j == ρ_{j+1}; when None, VGPO and
             the ADAE anchor fall back to ``step_rewards[:, 1:]``.
+        gain_mask: (B, T) bool, the (sample, step) pairs whose gains were estimated (stepwise ``states=drawn``: the
+            drawn pairs; ρ at the states no drawn pair needs holds 0 and is never read), or None: every pair.
         state: estimator state carried across training iterations (e.g. the Stepwise EMA baseline under
             ``stepwise.EMA_STATE_KEY``). Pass back the ``CreditOutput.state`` of the previous iteration.
     """
@@ -52,6 +54,7 @@ class CreditInput:
     step_mask: Tensor
     step_rewards: Tensor | None = None
     instant_rewards: Tensor | None = None
+    gain_mask: Tensor | None = None
     state: dict[str, Tensor] = field(default_factory=dict)
 
     @property
@@ -138,7 +141,8 @@ def group_moments(
         x: (B,) or (B, T) values.
         inverse: (B,) contiguous group index from ``group_index``.
         num_groups: P.
-        step_mask: (T,) bool, only for 2-D ``x``: columns left out of the statistics when False.
+        step_mask: only for 2-D ``x``: (T,) bool, columns left out of the statistics when False, or (B, T) bool,
+            single values left out.
         pool_steps: 2-D ``x`` only: pool each group's (unmasked) B_g·T values into one cell (K = 1) instead of one
             cell per step (K = T).
 
@@ -150,7 +154,8 @@ def group_moments(
     x2 = x[:, None] if x.dim() == 1 else x
     keep = torch.ones_like(x2, dtype=torch.bool)
     if step_mask is not None:
-        keep = keep & step_mask.to(device=x2.device, dtype=torch.bool)[None, :]
+        m = step_mask.to(device=x2.device, dtype=torch.bool)
+        keep = keep & (m[None, :] if m.dim() == 1 else m)
     w = keep.to(x2.dtype)
     hi = x2.masked_fill(~keep, float("-inf"))
     lo = x2.masked_fill(~keep, float("inf"))

@@ -112,6 +112,12 @@ def needs_step_rewards(cfg: CreditCfg) -> bool:
     return "step_rewards" in _requires(cfg)
 
 
+def estimated_states(cfg: CreditCfg) -> str:
+    """Which states the trainer estimates for the step rewards: "all", or "drawn" (the credit's ``states`` option,
+    stepwise: only the states the drawn pairs' gains need)."""
+    return str(getattr(CREDIT.options(spec_of(cfg.name), cfg.options), "states", "all"))
+
+
 def needs_instant_rewards(cfg: CreditCfg) -> bool:
     """Whether the estimator or the anchor reads the instant rewards I_j (B, T) (§5.2).
 

@@ -104,6 +104,7 @@ def trajectory_estimates(
     substeps: int,
     chunk_size: int,
     shared_initial: bool,
+    states: Tensor | None = None,
 ) -> EstimateOutput:
     """x̂0 of every state x^(j), j = 0..T, of every trajectory (Stepwise §4.1 / pseudocode §4.5).
 
@@ -122,6 +123,8 @@ def trajectory_estimates(
         substeps: T′ ≥ 1.
         chunk_size: max states per model call (≥ 1; a CFG call runs 2·chunk_size rows).
         shared_initial: compute the j = 0 estimate once per group.
+        states: (B, T) bool, the states x^(j), j < T, to estimate (the others keep their latents and cost nothing),
+            or None: all. With ``shared_initial`` state 0 is estimated for a whole group if any member needs it.
 
     Returns:
         EstimateOutput with x0_hat (B, T+1, *latent) and nfe.
@@ -149,6 +152,15 @@ def trajectory_estimates(
                 "make_initial_noise(..., shared=True) or pass shared_initial=False."
             )
         keep = (state_idx != 0) | (sample_idx == representative[sample_idx])
+        sample_idx, state_idx = sample_idx[keep], state_idx[keep]
+    if states is not None:
+        need = states.to(device=device, dtype=torch.bool)
+        if shared_initial:  # the representative stands for its group at j = 0
+            need = need.clone()
+            any0 = torch.zeros(batch, dtype=torch.long, device=device).scatter_reduce(
+                0, representative, need[:, 0].long(), "amax")  # (B,): at each representative, any member's need
+            need[:, 0] = any0[representative].bool()
+        keep = need[sample_idx, state_idx]
         sample_idx, state_idx = sample_idx[keep], state_idx[keep]
 
     x0_hat = latents.clone()  # (B, T+1, *latent); column T stays the final sample

@@ -388,6 +388,17 @@ def drawn_pairs(B: int, steps_ok: list[int], steps_per_sample: int, seed: int, i
     return pairs
 
 
+def update_pairs(sampler, step_mask: torch.Tensor, batch: int, seed: int, iteration: int,
+                 step_groups: list[int] | None) -> list[tuple[int, int]]:
+    """The (row, step) pairs an iteration's update may train under the config's sampler section (`drawn_pairs` with
+    `sampler.train_step_draw` / `train_steps_per_sample` / `timestep_fraction`, `step_draw_window`); step_mask (T,)
+    bool, the trainable steps; step_groups: the global group ids when a group shares its steps (nft's crn)."""
+    T = step_mask.shape[0]
+    _, k = step_draw_window(sampler.train_step_draw, T, sampler.timestep_fraction, sampler.train_steps_per_sample)
+    steps_ok = [j for j in range(T) if bool(step_mask[j])]
+    return drawn_pairs(batch, steps_ok, k, seed, iteration, step_groups, sampler.train_step_draw)
+
+
 def plan_update(
     adv_global: torch.Tensor,
     step_mask: torch.Tensor,
@@ -397,11 +408,12 @@ def plan_update(
     iteration: int,
     inner_epochs: int,
     updates_per_epoch: int,
-    steps_per_sample: int,
     skip_zero_adv: bool,
+    steps_per_sample: int = 0,
     step_groups: list[int] | None = None,
     step_draw: str = "random",
     loss_mean: str = "planned",
+    pairs: list[tuple[int, int]] | None = None,
 ) -> tuple[int, int, list[list[Chunk]]]:
     """Which (sample, step) pairs each optimizer step trains, decided on the GLOBAL batch by every rank alike.
 
@@ -444,7 +456,8 @@ def plan_update(
     B, T = adv_global.shape
     mask = step_mask.tolist()
     steps_ok = [j for j in range(T) if mask[j]]
-    pairs = drawn_pairs(B, steps_ok, steps_per_sample, seed, iteration, step_groups, step_draw)
+    if pairs is None:  # `pairs`: the caller drew them already (`drawn_pairs` with these arguments)
+        pairs = drawn_pairs(B, steps_ok, steps_per_sample, seed, iteration, step_groups, step_draw)
     nz = (adv_global != 0).tolist()
     if skip_zero_adv and loss_mean == "nonzero":  # zero advantage and no KL term: out of the plan and the mean
         pairs = [(b, j) for (b, j) in pairs if nz[b][j]]

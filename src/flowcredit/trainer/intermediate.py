@@ -25,9 +25,11 @@ Score = Callable[[Tensor, list, list], Tensor]
 
 
 def score_states(
-    model, score: Score, x0_hat: Tensor, prompts: list, meta: list, gids: Tensor, shared_initial: bool
+    model, score: Score, x0_hat: Tensor, prompts: list, meta: list, gids: Tensor, shared_initial: bool,
+    states: Tensor | None = None,
 ) -> tuple[Tensor, int]:
-    """Rewards of decoded x̂0 estimates. x0_hat: (B, T, *latent) for states j = 0..T−1.
+    """Rewards of decoded x̂0 estimates. x0_hat: (B, T, *latent) for states j = 0..T−1; states: (B, T) bool, the
+    states to score (the others get 0), or None: all.
 
     Returns ((B, T), reward calls).
 
@@ -35,18 +37,21 @@ def score_states(
     """
     B, T = x0_hat.shape[:2]
     flat = x0_hat.reshape(B * T, *x0_hat.shape[2:])
+    want = torch.ones(B, T, dtype=torch.bool) if states is None else states.cpu().bool()
     first: dict[int, int] = {}
     if shared_initial:
         for b in range(B):
             first.setdefault(int(gids[b]), b)
-        keep = [b * T + j for b in range(B) for j in range(T) if j > 0 or first[int(gids[b])] == b]
+        group_needs_0 = {int(gids[b]) for b in range(B) if want[b, 0]}
+        keep = [b * T + j for b in range(B) for j in range(T)
+                if (j > 0 and want[b, j]) or (j == 0 and first[int(gids[b])] == b and int(gids[b]) in group_needs_0)]
     else:
-        keep = list(range(B * T))
-    scores = torch.empty(B * T)
+        keep = [b * T + j for b in range(B) for j in range(T) if want[b, j]]
+    scores = torch.zeros(B * T)
     scores[keep] = score(model.decode(flat[keep]), [prompts[k // T] for k in keep], [meta[k // T] for k in keep])
     if shared_initial:
         for b in range(B):
-            scores[b * T] = scores[first[int(gids[b])] * T]
+            scores[b * T] = scores[first[int(gids[b])] * T] if want[b, 0] else 0.0
     return scores.view(B, T), len(keep)
 
 
@@ -76,6 +81,17 @@ def instant_rewards(model, score: Score, traj: Trajectory, cond, uncond, guidanc
     return inst, {"calls": flat.shape[0], "nfe": nfe}
 
 
+def drawn_mask(pairs: list[tuple[int, int]], batch: int, num_steps: int) -> tuple[Tensor, Tensor]:
+    """(pairs (batch, T) bool, states (batch, T) bool): the drawn (row, step j) pairs and the states x^(j), x^(j+1),
+    j + 1 < T, their gains need (ρ_T = R(x0) is always known)."""
+    m = torch.zeros(batch, num_steps, dtype=torch.bool)
+    for b, j in pairs:
+        m[b, j] = True
+    states = m.clone()
+    states[:, 1:] |= m[:, :-1]
+    return m, states
+
+
 @dataclasses.dataclass
 class EstimateCounts:
     """What the x̂0 estimates of one iteration cost on this rank: images scored and model evaluations."""
@@ -85,11 +101,13 @@ class EstimateCounts:
 
 
 def intermediate_rewards(
-    model, score: Score, traj: Trajectory, cond, uncond, cfg, prompts: list, meta: list, gids: Tensor, timer
+    model, score: Score, traj: Trajectory, cond, uncond, cfg, prompts: list, meta: list, gids: Tensor, timer,
+    states: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None, EstimateCounts]:
     """ρ (B, T+1) and/or I (B, T) as the credit method `cfg.credit` needs them (None otherwise) and their counts.
 
-    I is left None when ρ was computed with the same number of substeps: the credit then uses ρ_{j+1}.
+    I is left None when ρ was computed with the same number of substeps: the credit then uses ρ_{j+1}. states:
+    (B, T) bool, the states x^(j), j < T, whose ρ_j is needed (stepwise states=drawn; the others hold 0), or None.
     """
     guidance, est_cfg = cfg.sampler.guidance_scale, cfg.estimate
     counts = EstimateCounts()
@@ -97,11 +115,12 @@ def intermediate_rewards(
     if needs_step_rewards(cfg.credit):
         with timer("estimates"):
             est = trajectory_estimates(
-                model, traj, cond, uncond, guidance, est_cfg.substeps, est_cfg.chunk_size, cfg.shared_noise
+                model, traj, cond, uncond, guidance, est_cfg.substeps, est_cfg.chunk_size, cfg.shared_noise, states
             )
         counts.nfe += est.nfe
         with timer("estimate_rewards"):
-            rho, calls = score_states(model, score, est.x0_hat[:, :-1], prompts, meta, gids, cfg.shared_noise)
+            rho, calls = score_states(model, score, est.x0_hat[:, :-1], prompts, meta, gids, cfg.shared_noise,
+                                      states)
             rewards = traj.rewards
             assert rewards is not None, "the rollout is scored before its intermediate rewards"
             step_rewards = torch.cat([rho, rewards[:, None]], dim=1)  # ρ_T = R(x0)

@@ -24,20 +24,20 @@ import contextlib
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from ..config.schema import TrainConfig
 from ..credit.base import CreditInput
-from ..credit.registry import assign_credit, needs_instant_rewards, needs_step_rewards
+from ..credit.registry import assign_credit, estimated_states, needs_instant_rewards, needs_step_rewards
 from ..models.factory import build_model, set_trainable  # (also: the model registry is known to the config)
 from ..objectives import LossContext
 from ..rewards.guards import group_diversity
 from ..samplers.policy import nfe_per_sample
 from ..samplers.rollout import rollout
 from ..samplers.schedules import rollout_grid
-from ..types import cond_repeat
+from ..types import Trajectory, cond_repeat
 from .data import load_run_inputs
 from .distributed import (
     Chunk,
@@ -47,6 +47,7 @@ from .distributed import (
     plan_update,
     seed_global_rngs,
     step_draw_window,
+    update_pairs,
 )
 from .evaluation import RunEvaluation, guard_step
 from .faults import NonFiniteGuard, RetryingCall, first_nonfinite, inject_point, one_line
@@ -62,7 +63,7 @@ from .harness import (
     SoftOldPolicy,
     TimeBudget,
 )
-from .intermediate import intermediate_rewards
+from .intermediate import drawn_mask, intermediate_rewards
 from .loggers import check_logger_names, save_grid, write_metrics
 from .memory import (
     KLReferences,
@@ -320,12 +321,25 @@ class Trainer:
         that sampled the trajectory."""
         if not (needs_step_rewards(self.cfg.credit) or needs_instant_rewards(self.cfg.credit)):
             return scores
+        gain_mask = states = None
+        if estimated_states(self.cfg.credit) == "drawn":  # only the states the drawn pairs' gains need
+            gain_mask, states = drawn_mask(self._draw_pairs(ro.traj), self.shard.global_batch, ro.traj.num_steps)
+            states = states[self.shard.rows]
         with self._old_weights():
             step_rewards, instant, est = intermediate_rewards(
-                self.model, self._score, ro.traj, ro.cond, ro.uncond, self.cfg, ro.prompts, ro.meta, ro.gids, timer
+                self.model, self._score, ro.traj, ro.cond, ro.uncond, self.cfg, ro.prompts, ro.meta, ro.gids, timer,
+                states,
             )
-        return dataclasses.replace(scores, step_rewards=step_rewards, instant=instant,
+        return dataclasses.replace(scores, step_rewards=step_rewards, instant=instant, gain_mask=gain_mask,
                                    reward_calls=scores.reward_calls + est.calls, nfe_estimates=est.nfe)
+
+    def _draw_pairs(self, traj: Trajectory) -> list[tuple[int, int]]:
+        """The (global row, step) pairs this iteration's update may train (`distributed.update_pairs`), drawn
+        before the credit when it estimates only their states (states=drawn) and planned by `plan_update`."""
+        crn = getattr(self.objective, "shares_steps_in_group", False)  # optional Objective attribute
+        groups = self._gathered(traj.group_ids).tolist() if crn else None
+        return update_pairs(self.cfg.sampler, traj.step_mask, self.shard.global_batch, self.cfg.run.seed,
+                            self.iteration + 1, groups)
 
     def credit(self, ro: Rollout, scores: Scores) -> Credit:
         """This rank's advantages (B, T) from `assign_credit` on the global batch, or what was non-finite. The
@@ -335,7 +349,8 @@ class Trainer:
         if bad is not None:
             return Credit(None, bad, {})
         cin = CreditInput(rewards=scores.rewards, group_ids=self._gathered(ro.gids), step_mask=ro.traj.step_mask,
-                          step_rewards=step_rewards, instant_rewards=instant, state=self.credit_state)
+                          step_rewards=step_rewards, instant_rewards=instant, gain_mask=scores.gain_mask,
+                          state=self.credit_state)
         cout = assign_credit(self.cfg.credit, cin)
         bad = first_nonfinite(advantages=cout.advantages)
         if bad is not None:
@@ -344,24 +359,17 @@ class Trainer:
         return Credit(cout.advantages.float()[self.shard.rows], None, dict(cout.stats))  # (B, T): this rank's rows
 
     def _gathered(self, t: torch.Tensor) -> torch.Tensor:
-        """`Dist.gather` of a tensor that is present on every rank: (B_local, ...) → (B_global, ...)."""
-        out = self.dist.gather(t)
-        assert out is not None
-        return out
+        """`Dist.gather` of a tensor present on every rank: (B_local, ...) → (B_global, ...)."""
+        return cast(torch.Tensor, self.dist.gather(t))
 
     def _score(self, images: torch.Tensor, prompts: list, meta: list) -> torch.Tensor:
         """(n,) rewards of decoded images, retried per `faults` (the intermediate rewards' reward call)."""
         return self.call_reward(self.reward_fn, images, prompts, meta).scores.float()
 
     def plan_update(self, ro: Rollout, credit: Credit) -> UpdatePlan:
-        """The (sample, step) pairs of every optimizer step of this iteration's update.
-
-        The loss of one optimizer step is Σ_pairs objective.loss(pair) / N_pairs, accumulated over micro-batches of
-        `optim.micro_batch` pairs, so micro-batch size never changes the gradient. The pairs and their order are
-        planned on the global batch (`distributed.plan_update`; zero-advantage pairs are skipped when the objective
-        says their gradient is exactly zero); each rank trains its rows with N_pairs the GLOBAL count and the gradients
-        are summed over ranks. A non-finite credit plans no step (skipped and counted, `faults.max_nonfinite`).
-        """
+        """The (sample, step) pairs of every optimizer step, planned on the global batch (`distributed.plan_update`;
+        zero-advantage pairs skipped when their gradient is exactly zero). A step's loss is Σ pair losses / N_pairs
+        (the GLOBAL count) over micro-batches of `optim.micro_batch` pairs; a non-finite credit plans no step."""
         cfg, obj, oc, traj = self.cfg, self.objective, self.cfg.optim, ro.traj
         if credit.advantages is None:  # NaN/Inf: skip and count; stops the run after faults.max_nonfinite in a row
             skip = self.nonfinite.skip(credit.nonfinite or "credit", self.iteration + 1)
@@ -369,17 +377,10 @@ class Trainer:
         adv = credit.advantages
         on_policy = oc.inner_epochs == 1 and oc.updates_per_epoch == 1
         lr = self.lr_schedule.apply(self.opt, self.iteration, self.budget.progress)  # None: constant, untouched
-        crn = getattr(obj, "shares_steps_in_group", False)  # optional Objective attribute (objectives/base.py)
-        sc = cfg.sampler
-        _, steps_per_sample = step_draw_window(sc.train_step_draw, traj.num_steps, sc.timestep_fraction,
-                                               sc.train_steps_per_sample)
         n_pairs, n_computed, epochs = plan_update(
             self._gathered(adv), traj.step_mask, self.shard, seed=cfg.run.seed, iteration=self.iteration + 1,
-            inner_epochs=oc.inner_epochs, updates_per_epoch=oc.updates_per_epoch,
-            steps_per_sample=steps_per_sample,
-            skip_zero_adv=obj.skip_zero_advantage(on_policy, oc.kl_beta + oc.kl_base_beta),
-            step_groups=self._gathered(traj.group_ids).tolist() if crn else None,
-            step_draw=cfg.sampler.train_step_draw, loss_mean=oc.loss_mean,
+            inner_epochs=oc.inner_epochs, updates_per_epoch=oc.updates_per_epoch, pairs=self._draw_pairs(traj),
+            skip_zero_adv=obj.skip_zero_advantage(on_policy, oc.kl_beta + oc.kl_base_beta), loss_mean=oc.loss_mean,
         )
         if not any(epochs):
             return UpdatePlan(None, adv, [], n_pairs, n_computed, lr)
@@ -488,11 +489,6 @@ class Trainer:
     def eval_forwards(self) -> int:
         """Model forward-images the final evaluation will cost (`evaluation.RunEvaluation.forwards`)."""
         return self.evaluation.forwards() if self.evaluation is not None else 0
-
-    def over_budget(self, iter_seconds: list[float], fwd_rates: list[float]) -> bool:
-        """run.budget_minutes with the given measurements (`harness.TimeBudget.over`)."""
-        self.budget.iter_seconds, self.budget.fwd_rates = list(iter_seconds), list(fwd_rates)
-        return self.budget.over()
 
     def close(self) -> None:
         """Close metrics.jsonl, the loggers and the process group."""

@@ -48,6 +48,7 @@ class Scores:
     reward_calls: int  # this rank's images scored (final + estimates)
     nfe_estimates: int | None  # this rank's NFEs of the x̂0 estimates; None when none were made
     stats: dict[str, float]  # reward_mean, reward_std, diversity, <component>_mean (global batch)
+    gain_mask: torch.Tensor | None = None  # (B_global, T) bool: the drawn pairs whose gains were estimated; None: all
 
 
 @dataclasses.dataclass
