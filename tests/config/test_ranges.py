@@ -193,29 +193,43 @@ def test_from_dict_without_sources_still_names_key_and_range():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_credit_name_contradicting_method_is_an_error():
-    msg = _error("tiny_flow_grpo", "credit.name=vgpo")
-    assert msg.startswith("credit.name = 'vgpo' (override 'credit.name=vgpo') contradicts method = 'flow_grpo' (")
-    assert "configs/tiny_flow_grpo.yaml:" in msg  # where the method came from
-    assert msg.endswith("use method=vgpo, or method=custom with credit.name=vgpo")
+def test_an_explicit_credit_name_wins_over_the_preset_method():
+    # method is a shorthand: credit.name=vgpo on the tiny_flow_grpo preset (method: flow_grpo) needs no second key
+    cfg = _load("tiny_flow_grpo", "credit.name=vgpo")
+    assert cfg.credit.name == "vgpo" and cfg.method == "vgpo"
 
 
-def test_contradiction_in_one_yaml_file_names_both_lines(tmp_path, monkeypatch):
+def test_in_one_yaml_file_credit_name_wins(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "c.yaml").write_text("base: tiny_flow_grpo\nmethod: stepwise\ncredit:\n  name: vgpo\n")
-    msg = _error("c.yaml")
-    assert msg.startswith("credit.name = 'vgpo' (c.yaml:4) contradicts method = 'stepwise' (c.yaml:2)")
+    cfg = load_config(TrainConfig, "c.yaml", preset_dirs=[PRESET_DIR])
+    assert cfg.credit.name == "vgpo" and cfg.method == "vgpo"
 
 
-def test_contradiction_with_the_default_method(tmp_path, monkeypatch):
+def test_a_credit_name_without_a_method(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "d.yaml").write_text("credit:\n  name: stepwise\n")
-    assert "contradicts method = 'flow_grpo' (default)" in _error("d.yaml")
+    cfg = load_config(TrainConfig, "d.yaml", preset_dirs=[PRESET_DIR])
+    assert cfg.credit.name == "stepwise" and cfg.method == "stepwise"
 
 
-def test_plugin_credit_name_suggests_only_custom():
-    msg = _error("tiny_flow_grpo", "credit.name=mypkg.credit:fn")
-    assert msg.endswith("use method=custom with credit.name=mypkg.credit:fn")
+def test_a_plugin_credit_name_makes_the_method_custom(monkeypatch):
+    from flowcredit.credit.group import flow_grpo_advantages
+    from flowcredit.credit.registry import CREDIT
+
+    monkeypatch.setattr(CREDIT, "_specs", dict(CREDIT._specs))  # registered for this test only
+    CREDIT.register("my_credit", flow_grpo_advantages)
+    cfg = _load("tiny_flow_grpo", "credit.name=my_credit")
+    assert cfg.credit.name == "my_credit" and cfg.method == "custom"
+
+
+def test_the_command_line_method_wins_over_a_preset_credit_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "e.yaml").write_text("base: tiny_flow_grpo\ncredit:\n  name: stepwise\n")
+    cfg = load_config(TrainConfig, "e.yaml", ["method=vgpo"], preset_dirs=[PRESET_DIR])
+    assert cfg.credit.name == "vgpo" and cfg.method == "vgpo"
+    both = load_config(TrainConfig, "e.yaml", ["method=vgpo", "credit.name=flow_grpo"], preset_dirs=[PRESET_DIR])
+    assert both.credit.name == "flow_grpo" and both.method == "flow_grpo"  # an explicit credit.* always wins
 
 
 @pytest.mark.parametrize(
@@ -234,14 +248,17 @@ def test_consistent_method_and_credit_name(preset, overrides, credit):
     assert _load(preset, *overrides).credit.name == credit
 
 
-def test_resolved_config_with_both_keys_loads_back(tmp_path):
+def test_the_resolved_config_shows_what_ran_and_loads_back(tmp_path):
     from flowcredit.config import dump_yaml
 
-    cfg = _load("tiny_stepwise")
-    dump_yaml(cfg, tmp_path / "config.yaml")  # holds method: stepwise and credit.name: stepwise
+    cfg = _load("tiny_nft")
+    text = dump_yaml(cfg, tmp_path / "config.yaml")
+    assert "\nmethod:" not in text  # the shorthand is not written; credit.name and objective.name say what ran
+    data = yaml.safe_load(text)
+    assert data["credit"]["name"] == "flow_grpo" and data["objective"]["name"] == "nft"
     assert load_config(TrainConfig, tmp_path / "config.yaml") == cfg
-    with pytest.raises(ConfigError, match="contradicts method = 'vgpo' \\(override 'method=vgpo'\\)"):
-        load_config(TrainConfig, tmp_path / "config.yaml", ["method=vgpo"])
+    again = load_config(TrainConfig, tmp_path / "config.yaml", ["method=vgpo"])  # the command line's shorthand
+    assert again.credit.name == "vgpo"
 
 
 # ---------------------------------------------------------------------------------------------------------------

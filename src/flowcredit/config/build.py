@@ -182,11 +182,13 @@ class _Builder:
 
     def apply_links(self, cls: type, data: Mapping, path: str) -> Mapping:
         """Fields whose value is the default of another key: metadata ``sets="section.key"`` (relative to `cls`),
-        optionally ``unless=(values that set nothing,)``.
+        optionally ``unless=(values that set nothing,)``: a shorthand (``method`` for ``credit.name``).
 
-        When the other key is not in `data` it takes the field's value; when it is set to a different value the
-        two contradict each other: ConfigError naming both keys, where each came from, and the two ways to fix it.
-        Returns `data`, or a copy with the linked key filled in.
+        When the other key is not in `data` it takes the field's value. When both are set to different values the
+        explicit key wins (``credit.name=my.mod:fn`` needs no second key), unless only the shorthand came from the
+        command line and the key from a file (``method=vgpo`` on a preset that names its credit); the shorthand then
+        takes the key's value if it is one of its own, else its first ``unless`` value (``custom``), so the
+        resolved config never contradicts itself. Returns `data`, or a copy with the linked keys filled in.
         """
         hints = _type_hints(cls)
         for f in _init_fields(cls):
@@ -196,32 +198,28 @@ class _Builder:
             sub = _join(path, f.name)
             value = self.convert(data[f.name], hints[f.name], sub) if f.name in data else _default(f)
             unless = tuple(f.metadata.get("unless", ()))
-            if value in unless:
-                continue
             found, given = _lookup(data, target)
+            if value in unless and found:
+                continue
             if not found:
-                data = _with_value(data, target, value) or data
+                if value not in unless:
+                    data = _with_value(data, target, value) or data
                 continue
             if type(given) is not type(value) or given == value:
                 continue  # equal, or a wrong type that the type check reports
-            key = _join(path, target)
-            src_given = _source_of(self.sources, key)
-            src_value = _source_of(self.sources, sub) if f.name in data else "default"
-            fixes = []
-            try:
-                self.convert(given, hints[f.name], sub)
-                fixes.append(f"{sub}={given}")
+            by_override = (_source_of(self.sources, _join(path, target)) or "").startswith("override")
+            shorthand_by_override = f.name in data and (_source_of(self.sources, sub) or "").startswith("override")
+            if shorthand_by_override and not by_override:  # the command line's shorthand over a file's key
+                data = _with_value(data, target, value) or data
+                continue
+            try:  # the key wins; the shorthand follows it
+                own = self.convert(given, hints[f.name], sub)
             except ConfigError:
-                pass
-            if unless:
-                fixes.append(f"{sub}={unless[0]} with {key}={given}")
-            fix = f"use {', or '.join(fixes)}" if fixes else f"remove {key} (it follows {sub})"
-            raise ConfigError(
-                f"{key} = {given!r}{f' ({src_given})' if src_given else ''} contradicts {sub} = "
-                f"{value!r}{f' ({src_value})' if src_value else ''}, which sets {key}; {fix}",
-                key=key,
-                source=src_given,
-            )
+                own = unless[0] if unless else None
+            if own is None:
+                raise ConfigError(f"{_join(path, target)} = {given!r} contradicts {sub} = {value!r}; remove one",
+                                  key=_join(path, target), source=_source_of(self.sources, _join(path, target)))
+            data = {**data, f.name: own}
         return data
 
     def moved_key(self, path: str, key: str, new: str | tuple[str, ...], value: Any) -> ConfigError:

@@ -1,7 +1,7 @@
 """The `credit:` section: which credit (advantage) method, its own options, and what every method shares.
 
     credit:
-      name: stepwise                # follows `method` unless method=custom (a contradiction is an error)
+      name: stepwise                # `method=X` is a shorthand for it; an explicit name wins
       options: {norm: per_step}     # the method's own options dataclass (flowcredit/credit/registry.py)
       eps: 1.0e-4                   # shared by every estimator ...
       adv_clip: 5.0

@@ -29,9 +29,10 @@ Field metadata the loader reads besides ``help``:
       ConfigError: run.iterations = -5 (override 'run.iterations=-5') must be >= 0
 
   ``check_ranges(obj)`` runs the same check on an object built in code.
-* links: ``sets="section.key"`` (relative to the field's dataclass) makes the field's value the default of that
-  key, except for the values in ``unless=(...)``; setting both to different values is an error naming both keys
-  and where each was set (this is how ``method`` picks ``credit.name``).
+* links: ``sets="section.key"`` (relative to the field's dataclass) makes the field a shorthand: its value is the
+  default of that key, except for the values in ``unless=(...)``; when both are set, the explicit key wins and the
+  shorthand follows it (unless only the shorthand came from the command line; build.py ``apply_links``). This is
+  how ``method`` picks ``credit.name``.
 
 Every problem is raised as a one-line ``ConfigError``. Example::
 
@@ -231,12 +232,18 @@ def to_dict(obj: Any) -> Any:
 def dump_yaml(obj: Any, path: str | os.PathLike | None = None) -> str:
     """The fully resolved config as YAML; also written to `path` if given (e.g. next to a checkpoint).
 
-    The text loads back to an equal object with ``load_config(type(obj), path)``.
+    The text loads back to an equal object with ``load_config(type(obj), path)``. A shorthand field (metadata
+    ``sets=``, e.g. ``method``) is left out: the key it sets (``credit.name``) says what ran, and sets it back.
     """
     name = type(obj).__name__
     header = (f"# Fully resolved {name} written by flowcredit.config.dump_yaml; load with load_config({name}, path); "
               f"{END_NOTE}\n")
-    text = header + yaml.safe_dump(to_dict(obj), sort_keys=False, allow_unicode=True, width=119) + END_LINE + "\n"
+    data = to_dict(obj)
+    if dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            if f.metadata.get("sets") and isinstance(data, dict):
+                data.pop(f.name, None)
+    text = header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=119) + END_LINE + "\n"
     if path is not None:
         Path(path).write_text(text, encoding="utf-8")
     return text

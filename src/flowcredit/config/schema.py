@@ -524,9 +524,9 @@ class TrainConfig:
     method: Literal["flow_grpo", "stepwise", "vgpo", "custom"] = field(
         default="flow_grpo",
         metadata={
-            "help": "Method label; it sets credit.name (a different explicit credit.name is an error); custom = "
-            "choose credit.name (and its credit.options) by hand.",
-            "sets": "credit.name",  # config/load.py: the default of credit.name, a contradiction is an error
+            "help": "Shorthand for credit.name (flowcredit train method=X also picks the preset tiny_X); an explicit "
+            "credit.name wins and this follows it (custom for a plugin's method). Not written to config.yaml.",
+            "sets": "credit.name",  # config/build.py apply_links: the default of credit.name; an explicit one wins
             "unless": ("custom",),
         },
     )
@@ -564,8 +564,8 @@ class TrainConfig:
 
     def __post_init__(self):
         # The method picks the credit estimator unless the user composes one by hand (method=custom). A loaded config
-        # already has credit.name == method (the loader fills it in and rejects a different explicit credit.name);
-        # this keeps configs built in code, e.g. TrainConfig(method="vgpo"), consistent too.
+        # already has credit.name == method (the loader makes the shorthand follow an explicit credit.name); this
+        # keeps configs built in code, e.g. TrainConfig(method="vgpo"), consistent too.
         if self.method != "custom":
             self.credit.name = self.method
         self.dist.check(self.model, self.optim)

@@ -383,7 +383,7 @@ class RunLoop:
         try:
             from tqdm import tqdm
 
-            desc = f"train[{cfg.method}/{cfg.objective.name}]"
+            desc = f"train[{cfg.credit.name}/{cfg.objective.name}]"
             self.bar = tqdm(total=cfg.run.iterations, initial=iteration, desc=desc, dynamic_ncols=True,
                             disable=not dist.is_main)
         except ImportError:
