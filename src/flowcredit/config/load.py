@@ -160,6 +160,11 @@ def load_config(
         for k in [k for k in sources if k and _is_under(k, key)]:
             del sources[k]
     sources.update(override_sources)
+    run = data.get("run")
+    if isinstance(run, Mapping) and run.get("plugins"):  # run.plugins register before the names are checked
+        from .registry import import_plugins
+
+        import_plugins(run["plugins"], sources.get("run.plugins") or sources.get("run"))
     return from_dict(cls, data, source=sources)
 
 

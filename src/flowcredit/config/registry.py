@@ -248,3 +248,35 @@ def options_field(registry_key: str, help: str, *, name_field: str = "name") -> 
     """The `options` field of a `{name, options}` config section: a mapping checked against the options dataclass of
     the implementation named by the sibling field `name_field`, in registry `registry_key`."""
     return field(default_factory=dict, metadata={"help": help, "options_of": registry_key, "name_field": name_field})
+
+
+def import_plugins(modules: Any, source: str | None) -> None:
+    """Import the modules of ``run.plugins`` (each registers components when imported), with the current folder on
+    the import path as ``python -m`` has it. ConfigError (one line naming the key, where it was set and the fix) for
+    a value that is not a list of module names or a module that cannot be imported."""
+
+    from .keys import ConfigError
+
+    at = f" ({source})" if source else ""
+    if not isinstance(modules, list) or not all(isinstance(m, str) and m for m in modules):
+        raise ConfigError(f"run.plugins = {modules!r}{at} must be a list of module names, e.g. "
+                          "run.plugins=[my_plugins]", key="run.plugins", source=source)
+    for name in modules:
+        try:
+            import_user_module(name)
+        except ImportError as e:
+            raise ConfigError(
+                f"run.plugins: cannot import {name!r}{at} ({type(e).__name__}: {e}); put {name.split('.')[0]}.py (or "
+                "its package) in the folder you run from or on PYTHONPATH", key="run.plugins", source=source) from None
+
+
+def import_user_module(name: str):
+    """`importlib.import_module(name)` with the current folder on the import path (as ``python -m`` has it), for
+    the modules a user names: ``run.plugins`` and ``package.module:object`` paths of credit methods and rewards."""
+    import importlib
+    import os
+    import sys
+
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    return importlib.import_module(name)

@@ -398,6 +398,10 @@ class RunCfg:
     keep_freed_memory: bool = _h(True, "Linux/glibc: reuse freed host memory instead of unmapping it after every "
                                  "step (trainer/memory.py: no page faults per temporary, ≈ 6–7% per iteration).")
     device: str = _h("cpu", "Device for the tiny model (real models: accelerate decides).")
+    plugins: list[str] = field(default_factory=list, metadata={"help": (
+        "Python modules imported before the rest of the config is checked, e.g. [my_plugins]: each may register "
+        "credit methods, objectives, samplers, model families or rewards (the folder you run from is importable, as "
+        "with `python -m`).")})
     log_every: int = _h(1, "Write metrics every N iterations.", ge=1)
     loggers: list[str] | None = _h(
         None,

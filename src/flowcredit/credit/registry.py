@@ -14,13 +14,12 @@ Notation: B batch, T steps (see ``flowcredit.credit.base``).
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from flowcredit.config.registry import NoOptions, Registry, Spec
+from flowcredit.config.registry import NoOptions, Registry, Spec, import_user_module
 from flowcredit.credit.base import CreditCfg, CreditInput, CreditOutput
 from flowcredit.credit.group import FlowGRPOOptions, flow_grpo_advantages
 from flowcredit.credit.stepwise import StepwiseOptions, stepwise_advantages
@@ -82,7 +81,7 @@ def spec_of(name: str) -> Spec:
     module_name, _, func_name = name.partition(":")
     if not module_name or not func_name:
         raise ValueError(f"credit.name={name!r}: a plugin path must look like 'package.module:function'.")
-    module = importlib.import_module(module_name)
+    module = import_user_module(module_name)
     try:
         fn = getattr(module, func_name)
     except AttributeError as err:

@@ -23,6 +23,8 @@ import difflib
 import importlib
 from typing import Any
 
+from ..config.registry import import_user_module
+
 REWARDS: dict[str, str] = {
     "shapes": "flowcredit.rewards.shapes:ShapesReward",
     "imagestats": "flowcredit.rewards.imagestats:ImageStatsReward",
@@ -56,7 +58,7 @@ def resolve(name: str):
                              "'module:Class' path")
     mod, attr = target.split(":", 1)
     try:
-        module = importlib.import_module(mod)
+        module = import_user_module(mod) if name not in REWARDS else importlib.import_module(mod)
     except ModuleNotFoundError as e:
         if name in REWARDS:  # a built-in reward whose optional dependency is missing
             raise ValueError(
