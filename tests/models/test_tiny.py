@@ -14,14 +14,13 @@ from flowcredit.models.factory import build_model
 from flowcredit.models.tiny import (
     ASSET_DIR,
     SHIPPED_NAME,
-    SPECIAL_TOKENS,
     TinyDiTConfig,
     TinyFlowModel,
-    WordTokenizer,
     attention,
     modulate,
     timestep_embedding,
 )
+from flowcredit.models.tokenizer import SPECIAL_TOKENS, WordTokenizer
 from flowcredit.shapes.prompts import make_splits
 
 SMALL = dict(width=32, depth=1, heads=2)
