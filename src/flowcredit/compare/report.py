@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from .dynamics import dynamics_table
+from .figures import reward_trajectory_figure
 from .stats import final_mean_ci, mean_band, paired_difference, ratio, summarize_times, time_to_target
 from .study import Study, git_commit, resolved_config, reused_from, run_commits, run_dir
 
@@ -119,21 +120,10 @@ def verdict(mean: float, half: float, n: int, arm: str, baseline: str) -> str:
     return "cannot tell"
 
 
-def write_report(study: Study, out: Path, command: str, figure: bool = True) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for arm_run in study.runs:
-        runs[arm_run.name] = [
-            {**load_run(run_dir(out, arm_run, s)), "seed": s}
-            for s in study.seeds
-            if (run_dir(out, arm_run, s) / "metrics.jsonl").exists()
-        ]
-    baseline = study.baseline or study.runs[0].name
-    lines = [
+def _header(study: Study, out: Path, command: str) -> list[str]:
+    """The title, the command, the commits and what each arm ran."""
+    lines: list[str] = []
+    lines += [
         f"# Study: {study.name}",
         "",
         study.description.strip(),
@@ -155,10 +145,15 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
         + "; ".join(f"**{r.name}** = `{r.preset} {' '.join(study.overrides + r.overrides)}`" for r in study.runs),
         "",
     ]
+    return lines
 
+
+def _curves(study: Study, runs: dict[str, list[dict[str, Any]]], out: Path, max_it: float) -> list[str]:
+    """curves.png (train reward by iteration and seconds; periodic held-out strict) and eval_reward.png."""
+    import matplotlib.pyplot as plt
+
+    lines: list[str] = []
     # --- curves -----------------------------------------------------------------------------------------------
-    ran = [float(r["iteration"][-1]) for rs in runs.values() for r in rs if len(r["iteration"])]
-    max_it = max(ran) if ran else float(study.iterations)  # a budgeted study's cap is not what the runs did
     max_sec = max((float(r["seconds"][-1]) for rs in runs.values() for r in rs if len(r["seconds"])), default=1.0)
     periodic = bool(study.eval_every)
     fig, axes = plt.subplots(2 if periodic else 1, 2, figsize=(11, 8 if periodic else 4.2), squeeze=False)
@@ -182,7 +177,12 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
         plt.close(fig)
     lines += ["## Curves", "", "![curves](curves.png)", ""]
     lines += ["![eval reward](eval_reward.png)", ""] if periodic else []
+    return lines
 
+
+def _final_tables(runs: dict[str, list[dict[str, Any]]], baseline: str) -> list[str]:
+    """The final held-out evaluation per arm, then each arm paired by seed against the baseline."""
+    lines: list[str] = []
     # --- final numbers ------------------------------------------------------------------------------------------
     lines += [
         "## Final held-out evaluation (full test split)",
@@ -239,11 +239,12 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
             f"{verdict(mr, hr, len(seeds), name, baseline)} |"
         )
     lines.append("")
+    return lines
 
-    # --- time to target -----------------------------------------------------------------------------------------
-    if study.eval_every and any(study.targets.values()):
-        lines += _time_to_target(study, runs, baseline)
 
+def _per_tag(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Final strict accuracy per GenEval tag, mean over seeds."""
+    lines: list[str] = []
     # --- per tag -----------------------------------------------------------------------------------------------
     tags: list[str] = []
     for rs in runs.values():
@@ -268,7 +269,12 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
             if fin:
                 lines.append(f"| {name} | " + " | ".join(f"{np.mean([f[t] for f in fin]):.3f}" for t in tags) + " |")
         lines.append("")
+    return lines
 
+
+def _cost(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Seconds, NFEs and reward calls per iteration, by phase."""
+    lines: list[str] = []
     # --- cost --------------------------------------------------------------------------------------------------
     lines += [
         "## Cost per iteration (mean over iterations and seeds)",
@@ -291,9 +297,14 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
             f"{g('nfe_update'):.0f} | {g('reward_calls'):.0f} | {ph} |"
         )
     lines.append("")
+    return lines
 
-    lines += dynamics_table(runs)
 
+def _credit_diagnostics(runs: dict[str, list[dict[str, Any]]], out: Path, max_it: float) -> list[str]:
+    """diagnostics.png and a table: zero-std group ratio and ADAE's absolute share."""
+    import matplotlib.pyplot as plt
+
+    lines: list[str] = []
     # --- credit diagnostics: zero-std groups (where group advantages vanish) and ADAE's absolute share ---------
     diag_keys = [
         k
@@ -330,7 +341,14 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
                 vals.append("–" if not np.any(np.isfinite(v)) else f"{np.nanmean(v):.3f}")
             lines.append(f"| {name} | " + " | ".join(vals) + " |")
         lines.append("")
+    return lines
 
+
+def _gain_section(runs: dict[str, list[dict[str, Any]]], out: Path) -> list[str]:
+    """gain_per_step.png (Stepwise Fig. 2 analogue) and the non-monotone fraction of ρ."""
+    import matplotlib.pyplot as plt
+
+    lines: list[str] = []
     # --- Fig. 2 analogue: mean |gain| per step; non-monotone ρ ----------------------------------------------------
     gain_runs = {
         n: [
@@ -369,7 +387,13 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
                     f"{np.mean(nm):.3f}"
                 )
         lines.append("")
-    if figure and study.figure_run:
+    return lines
+
+
+def _trajectory_figure(study: Study, out: Path) -> list[str]:
+    """reward_trajectories.png (Stepwise Fig. 1 analogue) of the figure run, if any."""
+    lines: list[str] = []
+    if study.figure_run:
         arm = next(r for r in study.runs if r.name == study.figure_run)
         try:
             reward_trajectory_figure(run_dir(out, arm, study.seeds[0]), out / "reward_trajectories.png")
@@ -385,80 +409,34 @@ def write_report(study: Study, out: Path, command: str, figure: bool = True) -> 
             ]
         except Exception as e:  # noqa: BLE001  (the report must not die on an optional figure)
             lines += [f"(Fig. 1 analogue not drawn: {e})", ""]
-    path = out / "report.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return lines
 
 
-def reward_trajectory_figure(run: Path, png: Path, prompt_index: int = 0, group: int = 2, seed: int = 0) -> None:
-    """Draw ρ_j for `group` samples of one held-out prompt (shared x_T) and their x̂0 images (Fig. 1 analogue)."""
+def write_report(study: Study, out: Path, command: str, figure: bool = True) -> Path:
+    """report.md (+ figures) of a finished study under `out`: one section per helper below."""
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import torch
-
-    from ..config import load_config
-    from ..config.schema import TrainConfig
-    from ..models.loading import load_any_model
-    from ..rewards.shapes import ShapesReward
-    from ..samplers.estimates import trajectory_estimates
-    from ..samplers.rollout import make_initial_noise, rollout
-    from ..samplers.schedules import time_grid
-    from ..shapes.prompts import load_prompts
-    from ..types import to_uint8_hwc
-
-    cfg = load_config(TrainConfig, str(run / "config.yaml"))
-    model = load_any_model(str(run), "fp32")
-    ps = load_prompts("shapes:test_unique")
-    k = [i for i, m in enumerate(ps.metadata) if m["tag"] == "two_object"][prompt_index]
-    prompts, meta = [ps.prompts[k]] * group, [ps.metadata[k]] * group
-    gids = torch.zeros(group, dtype=torch.long)
-    gen = torch.Generator().manual_seed(seed)
-    own_grid = getattr(model, "time_grid", None)  # sampler.grid=model: the model's own scheduler sigmas
-    grid = (own_grid(cfg.sampler.num_steps) if cfg.sampler.grid == "model" and callable(own_grid)
-            else time_grid(cfg.sampler.num_steps, cfg.sampler.shift, cfg.sampler.grid))
-    init = make_initial_noise(group, tuple(model.latent_shape), gids, True, gen)
-    traj = rollout(
-        model,
-        prompts,
-        meta,
-        gids,
-        timesteps=grid,
-        sampler=cfg.sampler,
-        guidance_scale=cfg.sampler.guidance_scale,
-        generator=gen,
-        init_noise=init,
-        keep_velocities=True,
-    )
-    cond = model.encode_prompts(prompts)
-    est = trajectory_estimates(model, traj, cond, None, 1.0, cfg.estimate.substeps, 64, True)
-    T = traj.num_steps
-    imgs = model.decode(est.x0_hat.reshape(group * (T + 1), *est.x0_hat.shape[2:]))
-    rho = ShapesReward()(imgs, [prompts[0]] * len(imgs), [meta[0]] * len(imgs)).scores.view(group, T + 1)
-    u8 = to_uint8_hwc(imgs).numpy().reshape(group, T + 1, *imgs.shape[2:], 3)
-    fig = plt.figure(figsize=(1.1 * (T + 1), 2.5 + 1.1 * group))
-    ax = fig.add_axes((0.1, 1 - 2.1 / (2.5 + 1.1 * group), 0.88, 1.6 / (2.5 + 1.1 * group)))
-    for i in range(group):
-        ax.plot(range(T + 1), rho[i].numpy(), marker="o", label=f"sample {i}")
-    ax.set_xlabel("state j (t = 1 → 0)")
-    ax.set_ylabel("ρ_j")
-    ax.set_title(f"'{prompts[0]}'", fontsize=9)
-    ax.legend(fontsize=7)
-    for i in range(group):
-        for j in range(T + 1):
-            a = fig.add_axes(
-                (
-                    0.06 + 0.92 * j / (T + 1),
-                    (group - 1 - i) * 1.1 / (2.5 + 1.1 * group) + 0.01,
-                    0.9 / (T + 1),
-                    1.0 / (2.5 + 1.1 * group),
-                )
-            )
-            a.imshow(u8[i, j], interpolation="nearest")
-            a.axis("off")
-    fig.savefig(png, dpi=90)
-    plt.close(fig)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for arm_run in study.runs:
+        runs[arm_run.name] = [
+            {**load_run(run_dir(out, arm_run, s)), "seed": s}
+            for s in study.seeds
+            if (run_dir(out, arm_run, s) / "metrics.jsonl").exists()
+        ]
+    baseline = study.baseline or study.runs[0].name
+    ran = [float(r["iteration"][-1]) for rs in runs.values() for r in rs if len(r["iteration"])]
+    max_it = max(ran) if ran else float(study.iterations)  # a budgeted study's cap is not what the runs did
+    lines = _header(study, out, command) + _curves(study, runs, out, max_it) + _final_tables(runs, baseline)
+    if study.eval_every and any(study.targets.values()):
+        lines += _time_to_target(study, runs, baseline)
+    lines += _per_tag(runs) + _cost(runs) + dynamics_table(runs)
+    lines += _credit_diagnostics(runs, out, max_it) + _gain_section(runs, out)
+    if figure:
+        lines += _trajectory_figure(study, out)
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def _time_to_target(study: Study, runs: dict[str, list[dict[str, Any]]], baseline: str) -> list[str]:
