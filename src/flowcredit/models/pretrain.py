@@ -170,14 +170,8 @@ def validate(cfg: PretrainConfig) -> torch.device:
     return resolve_device(cfg.device)
 
 
-def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
-    """Run (or resume) pretraining. Returns the run directory."""
-    device = validate(cfg)
-    torch.set_num_threads(cfg.threads)
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    precision = resolve_precision(cfg.precision, device)  # 'auto' → bf16 / fp32 for this device
-    (out / "config.json").write_text(json.dumps({**asdict(cfg), "resolved_precision": precision}, indent=2))
+def _build_model(cfg: PretrainConfig, device: torch.device, precision: str) -> tuple[TinyFlowModel, TinyDiTConfig]:
+    """A fresh model from cfg.model seeded by cfg.seed, or cfg.init's weights (and architecture), on `device`."""
     model_cfg = TinyDiTConfig(**cfg.model)
     torch.manual_seed(cfg.seed)  # the initial weights come from cfg.seed, not from whatever the global RNG holds
     model = TinyFlowModel(model_cfg)
@@ -189,47 +183,118 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
         model = TinyFlowModel(model_cfg)
         model.net.load_state_dict(init.net.state_dict())
         model.compute_dtype = dtype
-    model.to(device)
+    return model.to(device), model_cfg
+
+
+def _resume(out: Path, model: TinyFlowModel, ema: torch.nn.Module, opt, gen: torch.Generator, rng) -> int:
+    """Load the newest intact checkpoint of `out` into the objects (damaged ones are warned about and skipped);
+    returns its step (0 without one). An old pickle state.pt is refused with one line."""
+    state_path = checkpoint.find_latest(out / "checkpoints", prefix="step")
+    if state_path is None and (out / "state.pt").exists():
+        raise checkpoint.CheckpointError(checkpoint.legacy_hint(out / "state.pt"))
+    if state_path is None:
+        return 0
+    st = checkpoint.load(state_path)  # tensors on the CPU (the RNG states must stay there)
+    model.net.load_state_dict(st["model"])
+    ema.load_state_dict(st["ema"])
+    opt.load_state_dict(st["opt"])
+    gen.set_state(st["torch_gen"])
+    rng.bit_generator.state = st["np_rng"]
+    print(f"resumed from {state_path} at step {st['step']}")
+    return int(st["step"])
+
+
+def _lr_at(cfg: PretrainConfig, s: int) -> float:
+    """Linear warm-up over cfg.warmup steps, then constant, then linear to cfg.lr_final from cfg.decay_start."""
+    lr = cfg.lr * min(1.0, (s + 1) / cfg.warmup)
+    if cfg.decay_start and s >= cfg.decay_start:
+        frac = min(1.0, (s - cfg.decay_start) / max(1, cfg.steps - cfg.decay_start))
+        lr = cfg.lr + frac * (cfg.lr_final - cfg.lr)
+    return lr
+
+
+def _flow_matching_step(cfg: PretrainConfig, model: TinyFlowModel, ema: torch.nn.Module, opt, imgs_u8: torch.Tensor,
+                        prompts: list[str], gen: torch.Generator, step: int,
+                        device: torch.device) -> tuple[float, float]:
+    """One optimizer step of the flow-matching loss |v(x_t, t) − (x1 − x0)|² on a batch (imgs_u8: (N, H, W, 3)
+    uint8), then the EMA; returns (loss, gradient norm)."""
+    imgs = imgs_u8.to(device, non_blocking=True).permute(0, 3, 1, 2).float() / 255.0
+    x0 = model.encode_images(imgs)
+    cond = model.encode_prompts(prompts)
+    x1 = torch.randn(x0.shape, generator=gen).to(device)  # noise and t from the CPU generator on every device
+    t = sample_t(cfg.batch_size, cfg.time_shift, gen).to(device)
+    tb = t[:, None, None, None]
+    x_t = (1 - tb) * x0 + tb * x1
+    for g in opt.param_groups:
+        g["lr"] = _lr_at(cfg, step)
+    model.net.train()
+    v = model.velocity(x_t, t, cond)
+    loss = (v - (x1 - x0)).pow(2).mean()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    gn = torch.nn.utils.clip_grad_norm_(model.net.parameters(), cfg.grad_clip)
+    opt.step()
+    with torch.no_grad():
+        d = min(cfg.ema_decay, (1 + step) / (10 + step))
+        for pe, pm in zip(ema.parameters(), model.net.parameters()):
+            pe.lerp_(pm, 1 - d)
+    return loss.item(), float(gn)
+
+
+def _save(cfg: PretrainConfig, out: Path, model: TinyFlowModel, model_cfg: TinyDiTConfig, ema: torch.nn.Module, opt,
+          step: int, gen: torch.Generator, rng) -> None:
+    """checkpoints/stepNNNNNN (every state, safetensors + JSON; the two newest kept) and the EMA weights as a tiny
+    model file ema/stepNNNNNN."""
+    checkpoint.save(
+        {
+            "model": model.net.state_dict(),
+            "ema": ema.state_dict(),
+            "opt": opt.state_dict(),
+            "step": step,
+            "torch_gen": gen.get_state(),
+            "np_rng": rng.bit_generator.state,
+        },
+        out / "checkpoints" / f"step{step:06d}",
+        iteration=step,
+        keep=2,
+    )
+    snap = TinyFlowModel(model_cfg)
+    snap.net.load_state_dict(ema.state_dict())
+    snap.save(out / "ema", name=f"step{step:06d}", extra={"step": step, "pretrain": asdict(cfg)})
+
+
+def _batches(cfg: PretrainConfig, step: int, device: torch.device, rng):
+    """A function returning the next (uint8 images (N, H, W, 3), prompts) batch: rendered in this process with the
+    numpy generator `rng` (saved in the checkpoints), or by cfg.workers DataLoader workers."""
+    data = load_prompts(cfg.prompts)
+    by_tag, tags = _group_by_tag(data.metadata)
+    if cfg.workers <= 0:
+        def local():
+            imgs_np, prompts = make_batch(data, by_tag, tags, cfg.batch_size, cfg.prompt_dropout, rng)
+            return torch.from_numpy(imgs_np), prompts
+
+        return local
+    stream = iter(torch.utils.data.DataLoader(_RenderStream(cfg, step), batch_size=None, num_workers=cfg.workers,
+                                              prefetch_factor=4, persistent_workers=True,
+                                              pin_memory=device.type == "cuda"))
+    return lambda: next(stream)
+
+
+def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
+    """Run (or resume) pretraining. Returns the run directory."""
+    device = validate(cfg)
+    torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    precision = resolve_precision(cfg.precision, device)  # 'auto' → bf16 / fp32 for this device
+    (out / "config.json").write_text(json.dumps({**asdict(cfg), "resolved_precision": precision}, indent=2))
+    model, model_cfg = _build_model(cfg, device, precision)
     ema = copy.deepcopy(model.net).requires_grad_(False)
     opt = torch.optim.AdamW(model.net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     gen = torch.Generator().manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
-    step = 0
-    state_path = checkpoint.find_latest(out / "checkpoints", prefix="step")  # damaged ones: warned and skipped
-    if state_path is None and (out / "state.pt").exists():
-        raise checkpoint.CheckpointError(checkpoint.legacy_hint(out / "state.pt"))
-    if state_path is not None:
-        st = checkpoint.load(state_path)  # tensors on the CPU (the RNG states must stay there)
-        model.net.load_state_dict(st["model"])
-        ema.load_state_dict(st["ema"])
-        opt.load_state_dict(st["opt"])
-        gen.set_state(st["torch_gen"])
-        rng.bit_generator.state = st["np_rng"]
-        step = st["step"]
-        print(f"resumed from {state_path} at step {step}")
-
-    data = load_prompts(cfg.prompts)
-    by_tag, tags = _group_by_tag(data.metadata)
-    stream = None
-    if cfg.workers > 0:
-        stream = iter(
-            torch.utils.data.DataLoader(
-                _RenderStream(cfg, step),
-                batch_size=None,
-                num_workers=cfg.workers,
-                prefetch_factor=4,
-                persistent_workers=True,
-                pin_memory=device.type == "cuda",
-            )
-        )
-
-    def lr_at(s: int) -> float:
-        lr = cfg.lr * min(1.0, (s + 1) / cfg.warmup)
-        if cfg.decay_start and s >= cfg.decay_start:
-            frac = min(1.0, (s - cfg.decay_start) / max(1, cfg.steps - cfg.decay_start))
-            lr = cfg.lr + frac * (cfg.lr_final - cfg.lr)
-        return lr
-
+    step = _resume(out, model, ema, opt, gen, rng)
+    next_batch = _batches(cfg, step, device, rng)
     log_f = open(out / "log.jsonl", "a")
     t0 = time.time()
     losses: list[float] = []
@@ -240,66 +305,23 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> Path:
         bar = tqdm(total=cfg.steps, initial=step, desc="pretrain", dynamic_ncols=True)
     stopped_early = False
     while step < cfg.steps:
-        if stream is None:
-            imgs_np, prompts = make_batch(data, by_tag, tags, cfg.batch_size, cfg.prompt_dropout, rng)
-            imgs_u8 = torch.from_numpy(imgs_np)
-        else:
-            imgs_u8, prompts = next(stream)
-        imgs = imgs_u8.to(device, non_blocking=True).permute(0, 3, 1, 2).float() / 255.0
-        x0 = model.encode_images(imgs)
-        cond = model.encode_prompts(prompts)
-        x1 = torch.randn(x0.shape, generator=gen).to(device)  # noise and t from the CPU generator on every device
-        t = sample_t(cfg.batch_size, cfg.time_shift, gen).to(device)
-        tb = t[:, None, None, None]
-        x_t = (1 - tb) * x0 + tb * x1
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        model.net.train()
-        v = model.velocity(x_t, t, cond)
-        loss = (v - (x1 - x0)).pow(2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(model.net.parameters(), cfg.grad_clip)
-        opt.step()
-        with torch.no_grad():
-            d = min(cfg.ema_decay, (1 + step) / (10 + step))
-            for pe, pm in zip(ema.parameters(), model.net.parameters()):
-                pe.lerp_(pm, 1 - d)
+        imgs_u8, prompts = next_batch()
+        loss, gn = _flow_matching_step(cfg, model, ema, opt, imgs_u8, prompts, gen, step, device)
         step += 1
-        losses.append(loss.item())
+        losses.append(loss)
         out_of_time = cfg.max_minutes > 0 and time.time() - t0 > 60.0 * cfg.max_minutes and step < cfg.steps
         if bar is not None:
             bar.update(1)
         if step % cfg.log_every == 0:
-            rec = {
-                "step": step,
-                "loss": float(np.mean(losses)),
-                "grad_norm": float(gn),
-                "lr": lr_at(step - 1),
-                "elapsed_s": time.time() - t0,
-            }
+            rec = {"step": step, "loss": float(np.mean(losses)), "grad_norm": gn, "lr": _lr_at(cfg, step - 1),
+                   "elapsed_s": time.time() - t0}
             log_f.write(json.dumps(rec) + "\n")
             log_f.flush()
             if bar is not None:
                 bar.set_postfix(loss=f"{rec['loss']:.4f}")
             losses = []
         if step % cfg.checkpoint_every == 0 or step == cfg.steps or out_of_time:
-            checkpoint.save(
-                {
-                    "model": model.net.state_dict(),
-                    "ema": ema.state_dict(),
-                    "opt": opt.state_dict(),
-                    "step": step,
-                    "torch_gen": gen.get_state(),
-                    "np_rng": rng.bit_generator.state,
-                },
-                out / "checkpoints" / f"step{step:06d}",
-                iteration=step,
-                keep=2,
-            )
-            snap = TinyFlowModel(model_cfg)
-            snap.net.load_state_dict(ema.state_dict())
-            snap.save(out / "ema", name=f"step{step:06d}", extra={"step": step, "pretrain": asdict(cfg)})
+            _save(cfg, out, model, model_cfg, ema, opt, step, gen, rng)
         if out_of_time:
             stopped_early = True
             break
