@@ -100,7 +100,7 @@ def test_resume_with_a_preset(tmp_path, capsys):
     "override, fragments",
     [
         ("run.iterations=-5", ["run.iterations = -5", "override 'run.iterations=-5'", ">= 0"]),
-        ("credit.name=vgpo", ["credit.name", "vgpo", "method"]),
+        ("credit.name=vgpoo", ["credit.name", "vgpoo", "did you mean", "vgpo"]),
         ("model.precision=fp16", ["model.precision", "'bf16'"]),
         ("reward.options={nope: 1}", ["reward 'shapes'", "'nope'"]),
         ("reward.name=mix", ["reward.name=mix needs reward.components"]),

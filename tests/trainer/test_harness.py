@@ -48,7 +48,7 @@ def test_padding_backward_adds_exactly_zero():
 
 def _cfg(iterations=3, max_minutes=0.0):
     return SimpleNamespace(run=SimpleNamespace(iterations=iterations, max_minutes=max_minutes),
-                           faults=SimpleNamespace(handle_signals=False), method="flow_grpo",
+                           faults=SimpleNamespace(handle_signals=False), credit=SimpleNamespace(name="flow_grpo"),
                            objective=SimpleNamespace(name="grpo"))
 
 
