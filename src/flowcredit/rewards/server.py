@@ -79,6 +79,144 @@ class _Job:
         self.images, self.prompts, self.metadata, self.future = images, prompts, metadata, Future()
 
 
+class _Handler(BaseHTTPRequestHandler):
+    """HTTP handler of a RewardServer: GET /health, GET /schema, POST /score. `RewardServer._handler_class` makes the
+    subclass that sets `reward_server` (the server it answers for) and `timeout` (the socket timeout, seconds)."""
+
+    reward_server: RewardServer
+    server_version = "flowcredit-reward/1"
+
+    def log_message(self, fmt, *args):  # quiet by default; errors are in the responses
+        pass
+
+    def _json(self, code: int, obj: Any = None, raw: bytes | None = None, close: bool = False) -> None:
+        data = raw if raw is not None else json.dumps(obj).encode()
+        try:
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if code == 401:
+                self.send_header("WWW-Authenticate", "Bearer")
+            if close:
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+
+    def _error(self, code: int, reason: str, close: bool = False) -> None:
+        self._json(code, {"error": reason, "status": code}, close=close)
+
+    def do_GET(self):
+        server = self.reward_server
+        path = self.path.split("?", 1)[0]
+        if path == "/health":
+            return self._json(
+                200,
+                {
+                    "status": "ok",
+                    "reward": server.name,
+                    "schema": SCHEMA,
+                    "batch_dependent": server.batch_dependent,
+                    "max_batch": server.max_batch,
+                    "max_body_bytes": server.max_body_bytes,
+                    "queued": server._q.qsize(),
+                    "served": server.served,
+                },
+            )
+        if path == "/schema":
+            from . import wire
+
+            return self._json(200, {"schema": SCHEMA, "doc": wire.__doc__})
+        self._error(404, f"no such endpoint {path}; use GET /health, GET /schema, POST /score")
+
+    def _drain(self, n: int) -> None:
+        """Read and drop up to n body bytes, so the client can read our error instead of a reset."""
+        try:
+            while n > 0:
+                chunk = self.rfile.read(min(n, 1 << 16))
+                if not chunk:
+                    break
+                n -= len(chunk)
+        except OSError:
+            pass
+
+    def _read_body(self, length_h: str | None) -> bytes | None:
+        """The request body of `Content-Length: length_h` bytes, or None after answering 411 / 400 / 413 (no or a
+        chunked length, a bad length, a body above max_body_bytes, an unreadable or short body)."""
+        server = self.reward_server
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked" or length_h is None:
+            self._error(411, "Content-Length is required (chunked bodies are not accepted)", close=True)
+            return None
+        try:
+            length = int(length_h)
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            self._error(400, f"bad Content-Length {length_h!r}", close=True)
+            return None
+        if length > server.max_body_bytes:
+            if length <= server.max_body_bytes + (8 << 20):
+                self._drain(length)
+            self._error(413, f"body of {length} bytes exceeds max_body_bytes={server.max_body_bytes}", close=True)
+            return None
+        try:
+            body = self.rfile.read(length)
+        except OSError as e:
+            self._error(400, f"could not read the body: {e}", close=True)
+            return None
+        if len(body) != length:
+            self._error(400, f"body shorter than Content-Length ({len(body)} < {length})", close=True)
+            return None
+        return body
+
+    def do_POST(self):
+        server = self.reward_server
+        path = self.path.split("?", 1)[0]
+        length_h = self.headers.get("Content-Length")
+        if path == "/score":
+            with server._count_lock:
+                server.requests += 1
+        if path != "/score":
+            return self._error(404, f"no such endpoint {path}; POST /score", close=True)
+        if server.token is not None:
+            got = self.headers.get("Authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {server.token}".encode()):
+                return self._error(401, "missing or wrong bearer token (Authorization: Bearer <token>)", close=True)
+        body = self._read_body(length_h)
+        if body is None:
+            return None
+        try:
+            ctype = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
+            if ctype != "application/json":
+                from .wire import looks_like_pickle
+
+                if looks_like_pickle(body):
+                    raise WireError(
+                        400, "pickle payloads are refused: send JSON (schema flowcredit.reward.v1, see GET /schema)"
+                    )
+                raise WireError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}")
+            images, prompts, meta = decode_request(body, server.max_pixels, server.max_batch)
+        except WireError as e:
+            return self._error(e.status, e.reason)
+        t0 = time.perf_counter()
+        try:
+            out = server.score(images, prompts, meta)
+        except WireError as e:  # 422: the reward cannot score this input (it raised ValueError)
+            return self._error(e.status, e.reason)
+        except Exception as e:  # noqa: BLE001  (the reward failed: report it, keep serving)
+            return self._error(500, f"reward '{server.name}' failed: {type(e).__name__}: {_one_line(e)}")
+        with server._count_lock:
+            server.served += len(prompts)
+        self._json(200, raw=encode_response(server.name, out, time.perf_counter() - t0))
+
+    def do_PUT(self):
+        self._error(405, "method not allowed; POST /score", close=True)
+
+    do_DELETE = do_PATCH = do_PUT
+
+
 class RewardServer:
     """An HTTP server around one reward object. `start()` serves on a background thread; `serve_forever()` blocks.
 
@@ -188,132 +326,13 @@ class RewardServer:
         return job.future.result()
 
     # ------------------------------------------------------------------------------------------- HTTP
-    def _handler_class(self, request_timeout: float):
-        server = self
+    def _handler_class(self, request_timeout: float) -> type[_Handler]:
+        """The request handler class of this server: `_Handler` bound to this RewardServer, with sockets that time
+        out after `request_timeout` seconds."""
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(_Handler):
             timeout = request_timeout
-            server_version = "flowcredit-reward/1"
-
-            def log_message(self, fmt, *args):  # quiet by default; errors are in the responses
-                pass
-
-            def _json(self, code: int, obj: Any = None, raw: bytes | None = None, close: bool = False) -> None:
-                data = raw if raw is not None else json.dumps(obj).encode()
-                try:
-                    self.send_response(code)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    if code == 401:
-                        self.send_header("WWW-Authenticate", "Bearer")
-                    if close:
-                        self.send_header("Connection", "close")
-                        self.close_connection = True
-                    self.end_headers()
-                    self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):
-                    self.close_connection = True
-
-            def _error(self, code: int, reason: str, close: bool = False) -> None:
-                self._json(code, {"error": reason, "status": code}, close=close)
-
-            def do_GET(self):
-                path = self.path.split("?", 1)[0]
-                if path == "/health":
-                    return self._json(
-                        200,
-                        {
-                            "status": "ok",
-                            "reward": server.name,
-                            "schema": SCHEMA,
-                            "batch_dependent": server.batch_dependent,
-                            "max_batch": server.max_batch,
-                            "max_body_bytes": server.max_body_bytes,
-                            "queued": server._q.qsize(),
-                            "served": server.served,
-                        },
-                    )
-                if path == "/schema":
-                    from . import wire
-
-                    return self._json(200, {"schema": SCHEMA, "doc": wire.__doc__})
-                self._error(404, f"no such endpoint {path}; use GET /health, GET /schema, POST /score")
-
-            def _drain(self, n: int) -> None:
-                """Read and drop up to n body bytes, so the client can read our error instead of a reset."""
-                try:
-                    while n > 0:
-                        chunk = self.rfile.read(min(n, 1 << 16))
-                        if not chunk:
-                            break
-                        n -= len(chunk)
-                except OSError:
-                    pass
-
-            def do_POST(self):
-                path = self.path.split("?", 1)[0]
-                length_h = self.headers.get("Content-Length")
-                if path == "/score":
-                    with server._count_lock:
-                        server.requests += 1
-                if path != "/score":
-                    return self._error(404, f"no such endpoint {path}; POST /score", close=True)
-                if server.token is not None:
-                    got = self.headers.get("Authorization", "")
-                    if not hmac.compare_digest(got.encode(), f"Bearer {server.token}".encode()):
-                        return self._error(
-                            401, "missing or wrong bearer token (Authorization: Bearer <token>)", close=True
-                        )
-                if self.headers.get("Transfer-Encoding", "").lower() == "chunked" or length_h is None:
-                    return self._error(411, "Content-Length is required (chunked bodies are not accepted)", close=True)
-                try:
-                    length = int(length_h)
-                    if length < 0:
-                        raise ValueError
-                except ValueError:
-                    return self._error(400, f"bad Content-Length {length_h!r}", close=True)
-                if length > server.max_body_bytes:
-                    if length <= server.max_body_bytes + (8 << 20):
-                        self._drain(length)
-                    return self._error(
-                        413, f"body of {length} bytes exceeds max_body_bytes={server.max_body_bytes}", close=True
-                    )
-                try:
-                    body = self.rfile.read(length)
-                except OSError as e:
-                    return self._error(400, f"could not read the body: {e}", close=True)
-                if len(body) != length:
-                    return self._error(400, f"body shorter than Content-Length ({len(body)} < {length})", close=True)
-                try:
-                    ctype = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
-                    if ctype != "application/json":
-                        from .wire import looks_like_pickle
-
-                        if looks_like_pickle(body):
-                            raise WireError(
-                                400,
-                                "pickle payloads are refused: send JSON (schema "
-                                "flowcredit.reward.v1, see GET /schema)",
-                            )
-                        raise WireError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}")
-                    images, prompts, meta = decode_request(body, server.max_pixels, server.max_batch)
-                except WireError as e:
-                    return self._error(e.status, e.reason)
-                t0 = time.perf_counter()
-                try:
-                    out = server.score(images, prompts, meta)
-                except WireError as e:  # 422: the reward cannot score this input (it raised ValueError)
-                    return self._error(e.status, e.reason)
-                except Exception as e:  # noqa: BLE001  (the reward failed: report it, keep serving)
-                    return self._error(500, f"reward '{server.name}' failed: {type(e).__name__}: {_one_line(e)}")
-                with server._count_lock:
-                    server.served += len(prompts)
-                self._json(200, raw=encode_response(server.name, out, time.perf_counter() - t0))
-
-            def do_PUT(self):
-                self._error(405, "method not allowed; POST /score", close=True)
-
-            do_DELETE = do_PATCH = do_PUT
+            reward_server = self
 
         return Handler
 
