@@ -189,9 +189,18 @@ def test_stepwise_ema_variant_and_state_roundtrip():
 def test_stats():
     out = stepwise_advantages(make_input(RHO, torch.tensor([0, 0])), StepwiseOptions(), CreditCfg(name="stepwise"))
     assert out.stats["gain_abs_mean_per_step"] == pytest.approx([1.5, 1.0, 2.5])  # mean |g| per step
-    assert out.stats["rho_nonmonotone_frac"] == 0.5  # traj 0 only rises, traj 1 rises and falls
+    assert out.stats["rho_nonmonotone_frac"] == 0.5  # traj 0 only rises, traj 1 dips 2 → 0
     assert out.stats["gain_telescope_err"] < 1e-6
     assert out.stats["rho0_group_spread"] == 0.0
+
+
+def test_a_dip_counts_only_beyond_the_threshold():
+    rho = torch.tensor([[0.0, 0.5, 0.4, 0.6], [0.0, 0.5, 0.2, 0.6], [0.8, 0.6, 0.5, 0.4], [0.1, 0.2, 0.3, 0.4]])
+    gids = torch.tensor([0, 0, 1, 1])
+    # drops below the running max: 0.1 (traj 0), 0.3 (traj 1), 0.4 (traj 2, only falling), none (traj 3)
+    for dip, frac in ((0.0, 0.75), (0.2, 0.5), (0.35, 0.25), (0.45, 0.0)):
+        out = stepwise_advantages(make_input(rho, gids), StepwiseOptions(dip_threshold=dip), CreditCfg(name="stepwise"))
+        assert out.stats["rho_nonmonotone_frac"] == frac, dip
 
 
 def test_missing_step_rewards_error():

@@ -89,6 +89,16 @@ class StepwiseOptions:
         },
     )
 
+    dip_threshold: float = field(
+        default=0.0,
+        metadata={
+            "help": "Diagnostic only (metric credit/rho_nonmonotone_frac): a trajectory is non-monotone when some "
+            "ρ_k falls more than this below max_{i≤k} ρ_i. Set it to the reward's own reading noise, 2·√2·σ, so a "
+            "wiggle of a dense reward does not count (shapes: σ = 0.077 → 0.22, docs/results/step_credit_figures).",
+            "ge": 0,
+        },
+    )
+
     def __post_init__(self) -> None:
         check_values(self, "credit.options")
         if self.states == "drawn" and (self.use_gae or self.baseline == "ema"):
@@ -204,12 +214,13 @@ def normalize_gains(
     return safe_zscore(gains, center, scale, constant, eps)
 
 
-def gain_stats(step_rewards: Tensor, group_ids: Tensor) -> dict[str, float | list[float]]:
+def gain_stats(step_rewards: Tensor, group_ids: Tensor, dip: float = 0.0) -> dict[str, float | list[float]]:
     """Diagnostics of the intermediate rewards ρ (B, T+1).
 
     Returns:
         ``gain_abs_mean_per_step`` (list of T floats, cf. the paper's Fig. 2 |g_t| plot), ``gain_neg_frac``
-        (fraction of negative gains), ``rho_nonmonotone_frac`` (fraction of trajectories whose ρ both rises and falls),
+        (fraction of negative gains), ``rho_nonmonotone_frac`` (fraction of trajectories with a dip: some ρ_k more
+        than `dip` below max_{i≤k} ρ_i, Stepwise Fig. 1; `dip` = the reward's reading noise keeps wiggles out),
         ``gain_telescope_err`` (max |Σ_j g_j − (ρ_T − ρ_0)|, float rounding only), ``rho0_group_spread`` (max over
         groups of max − min of ρ_0; 0 when the initial noise and x̂0 estimator are shared as §4.1 requires).
     """
@@ -224,11 +235,11 @@ def gain_stats(step_rewards: Tensor, group_ids: Tensor) -> dict[str, float | lis
     lo = torch.full((num_groups,), float("inf"), dtype=rho.dtype, device=rho.device).scatter_reduce(
         0, idx, rho0, reduce="amin"
     )
-    rises, falls = (gains > 0).any(1), (gains < 0).any(1)
+    dips = (rho < torch.cummax(rho, dim=1).values - dip).any(1)
     return {
         "gain_abs_mean_per_step": gains.abs().mean(0).tolist(),
         "gain_neg_frac": float((gains < 0).float().mean()),
-        "rho_nonmonotone_frac": float((rises & falls).float().mean()),
+        "rho_nonmonotone_frac": float(dips.float().mean()),
         "gain_telescope_err": float((gains.sum(1) - (rho[:, -1] - rho[:, 0])).abs().max()),
         "rho0_group_spread": float((hi - lo).max()),
     }
@@ -273,7 +284,7 @@ def stepwise_advantages(inp: CreditInput, opts: StepwiseOptions, cfg: CreditCfg)
     )
     stats: dict[str, float | list[float]] = {
         **reward_stats(inp.rewards, inp.group_ids),
-        **gain_stats(rho, inp.group_ids),
+        **gain_stats(rho, inp.group_ids, opts.dip_threshold),
     }
     if baseline is not None:
         stats["ema_baseline_per_step"] = baseline.tolist()
