@@ -1,7 +1,7 @@
 """Does step-level credit make the policy gradient learn faster, and where? A paired gradient-signal study.
 
-    python benchmarks/gradient_signal.py --iters K --threads 1 [--weights shipped|PATH] [--arms SET[/ARM] ...] --out DIR
-    python benchmarks/gradient_signal.py --from-json DIR/gradient_signal.json        # the table again, from the raw data
+    python benchmarks/gradient_signal.py --iters K [--minutes M] [--weights shipped|PATH] [--arms SET[/ARM] ...] --out D
+    python benchmarks/gradient_signal.py --from-json D/gradient_signal.json     # the table again, from the raw data
 
 For every credit arm, K independent iterations (new prompts, new rollouts) at the SAME weights (nothing moves), and
 every arm of a rollout set scored on the SAME rollouts, the same trained (sample, step) pairs and the same
@@ -12,8 +12,8 @@ arm a's gradient of iteration i = s_a + n_i^a (McCandlish et al. 2018, "An Empir
     ρ_a       = C_aa / mean_i |g_i^a|²                   signal fraction of one iteration's gradient energy
     B_noise   = B · (1/ρ − 1)                            samples at which one step's gradient is half signal
     cos_rest  = mean_i cos(g_i^a, Σ_{j≠i} g_j^a)         one iteration against the direction of all the others (K-dep.)
-    cos_sig   = C_ab / sqrt(C_aa·C_bb)                   the cosine between two arms' expected gradients (same-iteration
-                                                         noise, which the arms share, is left out by i ≠ j)
+    cos_sig   = C_ab / sqrt(C_aa·C_bb)                   the cosine between two arms' expected gradients (the
+                                                         same-iteration noise the arms share is left out by i ≠ j)
 
 Intervals: a percentile bootstrap over iterations (multinomial weights w; a resampled iteration is never paired with
 a copy of itself in the i ≠ j sums); ratios ρ_a/ρ_ref resample the iterations jointly over the arms of a set (paired).
@@ -432,7 +432,8 @@ def summarize(res: dict[str, Any], n_boot: int = 2000, seed: int = 0) -> dict[st
         st = [arm_stats(blk(a, a), B, w) for a in range(n_a)]
         rho = np.array([s["rho"] for s in st])
         return {
-            "rho": rho, "B_noise": np.array([s["B_noise"] for s in st]), "cos_rest": np.array([s["cos_rest"] for s in st]),
+            "rho": rho, "B_noise": np.array([s["B_noise"] for s in st]),
+            "cos_rest": np.array([s["cos_rest"] for s in st]),
             "ratio": rho / rho[0],
             "cos_sig": np.array([signal_cosine(blk(a, 0), blk(a, a), blk(0, 0), w) for a in range(n_a)]),
             "cos_mean": np.array([mean_cosine(blk(a, 0), blk(a, a), blk(0, 0), w) for a in range(n_a)]),
@@ -446,7 +447,8 @@ def summarize(res: dict[str, Any], n_boot: int = 2000, seed: int = 0) -> dict[st
                       for it in res["per_iteration"]]).mean(0)
     arms = []
     for a, name in enumerate(res["arms"]):
-        row: dict[str, Any] = {"arm": name, "nfe_per_sample": float(nfe[a]), "reward_calls_per_sample": float(calls[a])}
+        row: dict[str, Any] = {"arm": name, "nfe_per_sample": float(nfe[a]),
+                               "reward_calls_per_sample": float(calls[a])}
         for key in point:
             row[key] = float(point[key][a])
             row[f"{key}_ci"] = _ci([b[key][a] for b in boots])
