@@ -1,6 +1,6 @@
 """Does step-level credit make the policy gradient learn faster, and where? A paired gradient-signal study.
 
-    python benchmarks/gradient_signal.py --iters K [--minutes M] [--weights shipped|PATH] [--arms SET[/ARM] ...] --out D
+    python benchmarks/gradient_signal.py --iters K [--minutes M] [--weights shipped|PATH] [--arms SET[/ARM]...] --out D
     python benchmarks/gradient_signal.py --from-json D/gradient_signal.json     # the table again, from the raw data
 
 For every credit arm, K independent iterations (new prompts, new rollouts) at the SAME weights (nothing moves), and
