@@ -435,6 +435,7 @@ def summarize(res: dict[str, Any], n_boot: int = 2000, seed: int = 0) -> dict[st
             "rho": rho, "B_noise": np.array([s["B_noise"] for s in st]),
             "cos_rest": np.array([s["cos_rest"] for s in st]),
             "ratio": rho / rho[0],
+            "diff": rho - rho[0],  # paired: the arms' shared noise partly cancels (better conditioned than the ratio)
             "cos_sig": np.array([signal_cosine(blk(a, 0), blk(a, a), blk(0, 0), w) for a in range(n_a)]),
             "cos_mean": np.array([mean_cosine(blk(a, 0), blk(a, a), blk(0, 0), w) for a in range(n_a)]),
         }
@@ -455,6 +456,7 @@ def summarize(res: dict[str, Any], n_boot: int = 2000, seed: int = 0) -> dict[st
         bn = [b["B_noise"][a] * nfe[a] for b in boots]
         row["B_noise_x_nfe"] = float(point["B_noise"][a] * nfe[a])
         row["B_noise_x_nfe_ci"] = _ci(bn)
+        row["p_diff_above_0"] = float(np.mean([b["diff"][a] > 0 for b in boots])) if a > 0 else None
         r, (lo, hi) = row["ratio"], row["ratio_ci"]
         row["ratio_within_2x"] = bool(r > 0 and lo >= r / 2 and hi <= 2 * r) if a > 0 else None
         if a > 0 and r > 0 and lo > 0:
@@ -477,14 +479,16 @@ def _fmt(x: float, ci: Sequence[float], spec: str = ".3f") -> str:
 def print_table(summ: dict[str, Any], file=sys.stdout) -> None:
     print(f"\n== {summ['set']}: K = {summ['K']} iterations × B = {summ['B']} samples "
           f"(95% paired bootstrap intervals, {summ['n_boot']} resamples)", file=file)
-    hdr = (f"{'arm':<22} {'rho':>24} {'ratio to ' + summ['arms'][0]['arm']:>24} {'2x':>3} {'K(2x)':>6} "
+    ref = "ratio to " + summ["arms"][0]["arm"]
+    hdr = (f"{'arm':<22} {'rho':>24} {'rho - ref':>26} {ref:>24} {'2x':>3} {'K(2x)':>6} "
            f"{'B_noise':>26} {'NFE/smp':>8} {'B_noise×NFE':>30} {'cos_rest':>22} {'cos_sig(ref)':>22} "
            f"{'cos_mean(ref)':>13}")
     print(hdr, file=file)
     for r in summ["arms"]:
         within = "-" if r["ratio_within_2x"] is None else ("yes" if r["ratio_within_2x"] else "no")
         kneed = "-" if r["K_for_2x"] is None else str(r["K_for_2x"])
-        print(f"{r['arm']:<22} {_fmt(r['rho'], r['rho_ci'], '.4f'):>24} {_fmt(r['ratio'], r['ratio_ci'], '.2f'):>24} "
+        print(f"{r['arm']:<22} {_fmt(r['rho'], r['rho_ci'], '.4f'):>24} {_fmt(r['diff'], r['diff_ci'], '+.4f'):>26} "
+              f"{_fmt(r['ratio'], r['ratio_ci'], '.2f'):>24} "
               f"{within:>3} {kneed:>6} {_fmt(r['B_noise'], r['B_noise_ci'], '.0f'):>26} {r['nfe_per_sample']:8.1f} "
               f"{_fmt(r['B_noise_x_nfe'], r['B_noise_x_nfe_ci'], '.0f'):>30} "
               f"{_fmt(r['cos_rest'], r['cos_rest_ci'], '.3f'):>22} {_fmt(r['cos_sig'], r['cos_sig_ci'], '.2f'):>22} "
