@@ -250,3 +250,20 @@ def test_check_shapes_vocab_lists_valid_names():
         check_shapes_vocab(bad_color, world)
     msg = _one_line(e)
     assert "teal" in msg and all(c in msg for c in COLOR_NAMES)
+
+
+def test_validation_split_is_held_out_from_the_train_prompts():
+    from collections import Counter
+
+    from flowcredit.shapes.prompts import load_prompts
+
+    train, fit = load_prompts("shapes:train"), load_prompts("shapes:fit")
+    val = load_prompts("shapes:val")
+    fit_set, val_set = set(fit.prompts), set(val.prompts)
+    assert not fit_set & val_set and fit_set | val_set == set(train.prompts)  # a partition of train
+    per_tag = Counter(m["tag"] for m in load_prompts("shapes:train").metadata)
+    val_tags = Counter(m["tag"] for m in val.metadata)
+    uniq = {t: len({p for p, m in zip(val.prompts, val.metadata) if m["tag"] == t}) for t in per_tag}
+    assert uniq == {t: max(1, round(0.2 * n)) for t, n in per_tag.items()}  # a fifth of every tag, at least one
+    assert min(val_tags.values()) >= 40  # repeated to 40 lines per tag, as shapes:test is to 80
+    assert load_prompts("shapes:val").prompts == val.prompts  # seeded

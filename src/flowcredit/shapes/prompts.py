@@ -172,6 +172,33 @@ def make_splits(resolution: int = 32, spec: SplitSpec = SplitSpec()) -> dict[str
     }
 
 
+VAL_FRACTION = 0.2  # of every tag's train prompts (at least one), for tuning
+VAL_LINES_PER_TAG = 40  # shapes:val repeats every tag's prompts to this many lines, as shapes:test does to 80
+
+
+def balanced_lines(recs: list[dict[str, Any]], per_tag: int) -> list[dict[str, Any]]:
+    """Every tag's records repeated (whole rounds) to at least `per_tag` lines, tags in TAGS order."""
+    out: list[dict[str, Any]] = []
+    for tag in TAGS:
+        rs = [r for r in recs if r["tag"] == tag]
+        if rs:
+            out += [r for _ in range(-(-per_tag // len(rs))) for r in rs]
+    return out
+
+
+def validation_split(train: list[dict[str, Any]], seed: int = 43) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(fit, val): `val` draws VAL_FRACTION of every tag's train prompts (at least one; seeded), `fit` keeps the rest.
+    Tune on `shapes:val` with `shapes:fit` as the training prompts, report on `shapes:test` (never tuned on)."""
+    rng = np.random.default_rng(seed + 1)
+    val_idx: set[int] = set()
+    for tag in TAGS:
+        idx = [i for i, r in enumerate(train) if r["tag"] == tag]
+        if idx:
+            k = max(1, round(VAL_FRACTION * len(idx)))
+            val_idx |= {idx[i] for i in rng.choice(len(idx), k, replace=False)}
+    return ([r for i, r in enumerate(train) if i not in val_idx], [r for i, r in enumerate(train) if i in val_idx])
+
+
 def is_unseen(record: dict[str, Any], splits: dict[str, Any]) -> bool:
     """True if a record contains a held-out (shape, colour) pair or position triple."""
     held_pairs = {tuple(p) for p in splits["heldout_color_pairs"]}
@@ -339,7 +366,9 @@ def read_prompt_file(path: str | os.PathLike) -> PromptSet:
 def load_prompts(spec: str) -> PromptSet:
     """Load prompts from a split name or a file.
 
-    `spec` is `shapes:train`, `shapes:test` (the ≥400-line held-out test file), `shapes:test_unique`,
+    `spec` is `shapes:train`, `shapes:test` (the ≥400-line held-out test file), `shapes:test_unique`, `shapes:val`
+    (a seeded fifth of every tag's train prompts, ≥ 40 lines per tag, to tune on) and `shapes:fit` (train without
+    val, to train on while tuning),
     `shapes64:train` …, optionally restricted to tags (`shapes:train@single_object,colors`), or a path to a
     .jsonl/.txt file.
     """
@@ -355,14 +384,17 @@ def load_prompts(spec: str) -> PromptSet:
                     f"unknown tag '{bad[0]}' in prompt split '{spec}'; valid tags: {', '.join(TAGS)}"
                 )
         res = {"shapes": 32, "shapes32": 32, "shapes64": 64}.get(world_name)
-        valid = ("train", "test", "test_unique")
+        valid = ("train", "test", "test_unique", "fit", "val")
         if res is None or split not in valid:
             raise PromptFileError(
-                f"unknown prompt split '{spec}'; use shapes:train, shapes:test, shapes:test_unique (or shapes64:...) "
+                f"unknown prompt split '{spec}'; use shapes:train, shapes:test, shapes:test_unique, shapes:fit, "
+                "shapes:val (or shapes64:...) "
                 "or a file path"
             )
         splits = make_splits(res)
-        recs = {"train": splits["train"], "test": splits["test_lines"], "test_unique": splits["test"]}[split]
+        fit, val = validation_split(splits["train"])
+        recs = {"train": splits["train"], "test": splits["test_lines"], "test_unique": splits["test"], "fit": fit,
+                "val": balanced_lines(val, VAL_LINES_PER_TAG)}[split]
         if tags is not None:
             recs = [r for r in recs if r["tag"] in tags]
         return PromptSet([r["prompt"] for r in recs], [dict(r) for r in recs], spec)
