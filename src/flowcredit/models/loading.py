@@ -238,6 +238,29 @@ class ModelSource:
         return model.eval()
 
 
+def _locate(p: Path) -> tuple[str, Path | None, Path | None, Path | None, dict | None]:
+    """(family, run folder, its config.yaml, checkpoint folder, its loaded state) of a --checkpoint path: a run or
+    its checkpoints/iterNNNNNN folder names its family in config.yaml; a checkpoint folder on its own, in the model
+    config it recorded (then loaded here); anything else (a .safetensors file, a refused pickle) is the tiny model."""
+    from .. import checkpoints as ckpt
+
+    run = config_yaml = ck = None
+    state = None
+    if not (p.is_dir() and ((p / "checkpoints").is_dir() or ckpt.is_checkpoint_dir(p))):
+        return "tiny", None, None, None, None
+    if (p / "checkpoints").is_dir():
+        run = p
+    elif p.parent.name == "checkpoints":
+        run = p.parent.parent
+    if run is not None and (run / "config.yaml").is_file():
+        config_yaml = run / "config.yaml"
+        return run_family(config_yaml), run, config_yaml, None, None
+    ck = ckpt.resolve(p)
+    state = ckpt.load(ck)
+    mc = state.get("model_config")
+    return (str(mc.get("name", "tiny")) if isinstance(mc, dict) else "tiny"), run, None, ck, state
+
+
 def resolve_model_source(
     checkpoint: str | None,
     overrides: Sequence[str] = (),
@@ -298,24 +321,7 @@ def resolve_model_source(
         return finish(ModelSource(cfg.model.name, cfg, use_ema=use_ema))
 
     p = Path(checkpoint)
-    state = None
-    ck: Path | None = None
-    run: Path | None = None
-    config_yaml: Path | None = None
-    family = "tiny"  # a .safetensors file, a pickle .pt (refused with the convert command) or nothing there
-    if p.is_dir() and ((p / "checkpoints").is_dir() or ckpt.is_checkpoint_dir(p)):
-        if (p / "checkpoints").is_dir():
-            run = p
-        elif p.parent.name == "checkpoints":
-            run = p.parent.parent
-        if run is not None and (run / "config.yaml").is_file():
-            config_yaml = run / "config.yaml"
-            family = run_family(config_yaml)
-        else:  # a checkpoint folder on its own: the model it recorded
-            ck = ckpt.resolve(p)
-            state = ckpt.load(ck)
-            mc = state.get("model_config")
-            family = str(mc.get("name", "tiny")) if isinstance(mc, dict) else "tiny"
+    family, run, config_yaml, ck, state = _locate(p)
     if family == "tiny":
         if model_keys or model_path is not None:
             given = ", ".join([*model_keys, *(["--model-path"] if model_path is not None else [])])
