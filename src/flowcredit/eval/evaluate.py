@@ -252,33 +252,8 @@ def evaluate(
     n = len(prompt_set) if limit is None else min(limit, len(prompt_set))
     prompts, meta = prompt_set.prompts[:n], prompt_set.metadata[:n]
     images = generate(model, prompts, steps=steps, guidance=guidance, seed=seed, batch_size=batch_size, shift=shift)
-    scores: list[torch.Tensor] = []
-    comps: dict[str, list[torch.Tensor]] = {}
-    rows: list[dict[str, Any]] = []
     video = is_video(images)
-    chunk = max(1, 256 // images.shape[1]) if video else 256  # ≈ 256 images per reward call: clips × frames
-    for s in range(0, n, chunk):
-        ro = reward(images[s : s + chunk], prompts[s : s + chunk], meta[s : s + chunk])
-        scores.append(ro.scores)
-        for k, v in ro.components.items():
-            comps.setdefault(k, []).append(v)
-        results = ro.info.get("results")
-        for k in range(len(ro.scores)):
-            i = s + k
-            row = {
-                "filename": f"{i:05d}/samples/0000.png",
-                "tag": meta[i].get("tag", ""),
-                "prompt": prompts[i],
-                "reward": float(ro.scores[k]),
-                "metadata": json.dumps(meta[i]),
-            }
-            if results is not None:
-                r = results[k]
-                row.update(
-                    correct=bool(r.correct), strict=bool(r.strict), reason=r.reason, details=json.dumps(r.details)
-                )
-            rows.append(row)
-    score_t = torch.cat(scores)
+    score_t, rows = _score_rows(reward, images, prompts, meta, video)
     summary: dict[str, Any] = {
         "num_images": n,
         **({"num_frames": int(images.shape[1])} if video else {}),
@@ -299,26 +274,61 @@ def evaluate(
         summary["strict_overall"] = g["strict"]["overall"]
         summary["strict_by_tag"] = {t: v["accuracy"] for t, v in g["strict"]["tags"].items()}
     if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        u8 = to_uint8_hwc(first_frames(images)).numpy()  # a video: the grid shows the first frames
-        clips = to_uint8_frames(images) if video and write_samples else None
-        if write_samples:
-            for i in range(n):
-                d = out / f"{i:05d}"
-                (d / "samples").mkdir(parents=True, exist_ok=True)
-                (d / "metadata.jsonl").write_text(json.dumps(meta[i]) + "\n")
-                if clips is not None:
-                    save_animation(clips[i], d / "samples" / "0000.png")  # the clip as an animated PNG
-                else:
-                    save_png(u8[i], d / "samples" / "0000.png")
-        with open(out / "results.jsonl", "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        m = min(n, 128)
-        save_png(caption_grid(u8[:m], prompts[:m], ncol=16, scale=3), out / "grid.png")  # the prompt under each sample
+        _write_outputs(Path(out_dir), images, prompts, meta, rows, summary, write_samples)
     return summary
+
+
+def _score_rows(reward, images: torch.Tensor, prompts: list[str], meta: list[dict], video: bool
+                ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+    """Scores (n,) of images (n, 3, H, W) or clips (n, F, 3, H, W) in reward calls of ≈ 256 images, and one
+    results.jsonl row per line (GenEval's fields; correct / strict / reason / details when the reward has them)."""
+    n, scores, rows = len(prompts), [], []
+    chunk = max(1, 256 // images.shape[1]) if video else 256  # ≈ 256 images per reward call: clips × frames
+    for s in range(0, n, chunk):
+        ro = reward(images[s : s + chunk], prompts[s : s + chunk], meta[s : s + chunk])
+        scores.append(ro.scores)
+        results = ro.info.get("results")
+        for k in range(len(ro.scores)):
+            i = s + k
+            row = {
+                "filename": f"{i:05d}/samples/0000.png",
+                "tag": meta[i].get("tag", ""),
+                "prompt": prompts[i],
+                "reward": float(ro.scores[k]),
+                "metadata": json.dumps(meta[i]),
+            }
+            if results is not None:
+                r = results[k]
+                row.update(
+                    correct=bool(r.correct), strict=bool(r.strict), reason=r.reason, details=json.dumps(r.details)
+                )
+            rows.append(row)
+    return torch.cat(scores), rows
+
+
+def _write_outputs(out: Path, images: torch.Tensor, prompts: list[str], meta: list[dict], rows: list[dict[str, Any]],
+                   summary: dict[str, Any], write_samples: bool) -> None:
+    """GenEval's folder layout (NNNNN/metadata.jsonl, NNNNN/samples/0000.png; a clip as an animated PNG),
+    results.jsonl, summary.json and grid.png (the first 128 samples with their prompts) under `out`."""
+    n, video = len(prompts), is_video(images)
+    out.mkdir(parents=True, exist_ok=True)
+    u8 = to_uint8_hwc(first_frames(images)).numpy()  # a video: the grid shows the first frames
+    clips = to_uint8_frames(images) if video and write_samples else None
+    if write_samples:
+        for i in range(n):
+            d = out / f"{i:05d}"
+            (d / "samples").mkdir(parents=True, exist_ok=True)
+            (d / "metadata.jsonl").write_text(json.dumps(meta[i]) + "\n")
+            if clips is not None:
+                save_animation(clips[i], d / "samples" / "0000.png")  # the clip as an animated PNG
+            else:
+                save_png(u8[i], d / "samples" / "0000.png")
+    with open(out / "results.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    m = min(n, 128)
+    save_png(caption_grid(u8[:m], prompts[:m], ncol=16, scale=3), out / "grid.png")  # the prompt under each sample
 
 
 def tag_balanced_subset(prompt_set: PromptSet, n: int) -> PromptSet:
