@@ -405,6 +405,17 @@ def signal_cosine(Cab: np.ndarray, Caa: np.ndarray, Cbb: np.ndarray, w: np.ndarr
     return ab / math.sqrt(aa * bb) if aa > 0 and bb > 0 else float("nan")
 
 
+def rho_along(Cab: np.ndarray, Caa: np.ndarray, Cbb: np.ndarray, w: np.ndarray | None = None) -> float:
+    """The fraction of arm a's gradient energy that lies along arm b's signal: sign·<s_a, ŝ_b>² / E|g_a|², with
+    <s_a, s_b> ≈ C_ab and |s_b|² ≈ C_bb (mean_{i≠j}); = ρ_a · cos²(s_a, s_b). With b the sample-level credit (whose
+    expected update is the objective's own direction) it is the part of ρ that serves that direction: the
+    useful signal of a step-level credit whose expected gradient points elsewhere (NaN when C_bb ≤ 0)."""
+    w = np.ones(Cab.shape[0]) if w is None else w
+    ab, bb = cross_mean(Cab, w), cross_mean(Cbb, w)
+    sq = float((w * np.diag(Caa)).sum() / w.sum())
+    return math.copysign(ab * ab / (bb * sq), ab) if bb > 0 and sq > 0 else float("nan")
+
+
 def mean_cosine(Cab: np.ndarray, Caa: np.ndarray, Cbb: np.ndarray, w: np.ndarray | None = None) -> float:
     """cos of the arms' mean gradients (their shared same-iteration noise included)."""
     w = np.ones(Cab.shape[0]) if w is None else w
@@ -438,6 +449,7 @@ def summarize(res: dict[str, Any], n_boot: int = 2000, seed: int = 0) -> dict[st
             "diff": rho - rho[0],  # paired: the arms' shared noise partly cancels (better conditioned than the ratio)
             "cos_sig": np.array([signal_cosine(blk(a, 0), blk(a, a), blk(0, 0), w) for a in range(n_a)]),
             "cos_mean": np.array([mean_cosine(blk(a, 0), blk(a, a), blk(0, 0), w) for a in range(n_a)]),
+            "rho_along_ref": np.array([rho_along(blk(a, 0), blk(a, a), blk(0, 0), w) for a in range(n_a)]),
         }
 
     point = stats_at(np.ones(K))
@@ -453,6 +465,9 @@ def summarize(res: dict[str, Any], n_boot: int = 2000, seed: int = 0) -> dict[st
         for key in point:
             row[key] = float(point[key][a])
             row[f"{key}_ci"] = _ci([b[key][a] for b in boots])
+        along = [b["rho_along_ref"][a] for b in boots]
+        row["B_along_x_nfe"] = float(B * (1 / row["rho_along_ref"] - 1) * nfe[a]) if row["rho_along_ref"] > 0 else None
+        row["B_along_x_nfe_ci"] = _ci([B * (1 / x - 1) * nfe[a] if x > 0 else float("inf") for x in along])
         bn = [b["B_noise"][a] * nfe[a] for b in boots]
         row["B_noise_x_nfe"] = float(point["B_noise"][a] * nfe[a])
         row["B_noise_x_nfe_ci"] = _ci(bn)
@@ -476,28 +491,38 @@ def _fmt(x: float, ci: Sequence[float], spec: str = ".3f") -> str:
     return f"{x:{spec}} [{ci[0]:{spec}}, {ci[1]:{spec}}]"
 
 
+def _big(x: float | None) -> str:
+    return "∞" if x is None or not math.isfinite(x) else f"{x:.3g}"
+
+
 def print_table(summ: dict[str, Any], file=sys.stdout) -> None:
-    print(f"\n== {summ['set']}: K = {summ['K']} iterations × B = {summ['B']} samples "
-          f"(95% paired bootstrap intervals, {summ['n_boot']} resamples)", file=file)
-    ref = "ratio to " + summ["arms"][0]["arm"]
-    hdr = (f"{'arm':<22} {'rho':>24} {'rho - ref':>26} {ref:>24} {'2x':>3} {'K(2x)':>6} "
-           f"{'B_noise':>26} {'NFE/smp':>8} {'B_noise×NFE':>30} {'cos_rest':>22} {'cos_sig(ref)':>22} "
-           f"{'cos_mean(ref)':>13}")
-    print(hdr, file=file)
+    """The set's two Markdown tables (signal; compute and direction) and the signal-cosine matrix."""
+    ref = summ["arms"][0]["arm"]
+    print(f"\n### {summ['set']}: K = {summ['K']} iterations × B = {summ['B']} samples (95% paired bootstrap "
+          f"intervals, {summ['n_boot']} resamples; reference arm {ref})\n", file=file)
+    print("| arm | ρ | ρ − ρ_ref | P(ρ > ρ_ref) | ρ / ρ_ref | within 2× | K for 2× | cos_rest |", file=file)
+    print("|---|---|---|---|---|---|---|---|", file=file)
     for r in summ["arms"]:
-        within = "-" if r["ratio_within_2x"] is None else ("yes" if r["ratio_within_2x"] else "no")
-        kneed = "-" if r["K_for_2x"] is None else str(r["K_for_2x"])
-        print(f"{r['arm']:<22} {_fmt(r['rho'], r['rho_ci'], '.4f'):>24} {_fmt(r['diff'], r['diff_ci'], '+.4f'):>26} "
-              f"{_fmt(r['ratio'], r['ratio_ci'], '.2f'):>24} "
-              f"{within:>3} {kneed:>6} {_fmt(r['B_noise'], r['B_noise_ci'], '.0f'):>26} {r['nfe_per_sample']:8.1f} "
-              f"{_fmt(r['B_noise_x_nfe'], r['B_noise_x_nfe_ci'], '.0f'):>30} "
-              f"{_fmt(r['cos_rest'], r['cos_rest_ci'], '.3f'):>22} {_fmt(r['cos_sig'], r['cos_sig_ci'], '.2f'):>22} "
-              f"{r['cos_mean']:13.3f}", file=file)
+        within = "–" if r["ratio_within_2x"] is None else ("yes" if r["ratio_within_2x"] else "no")
+        p = "–" if r["p_diff_above_0"] is None else f"{r['p_diff_above_0']:.2f}"
+        print(f"| {r['arm']} | {_fmt(r['rho'], r['rho_ci'], '.4f')} | {_fmt(r['diff'], r['diff_ci'], '+.4f')} | {p} "
+              f"| {_fmt(r['ratio'], r['ratio_ci'], '.2f')} | {within} | {r['K_for_2x'] or '–'} "
+              f"| {_fmt(r['cos_rest'], r['cos_rest_ci'], '.3f')} |", file=file)
+    print("\n| arm | NFE / sample | B_noise | B_noise × NFE | cos(s, s_ref) | ρ along s_ref | B along s_ref × NFE |",
+          file=file)
+    print("|---|---|---|---|---|---|---|", file=file)
+    for r in summ["arms"]:
+        bn = f"{_big(r['B_noise'])} [{_big(r['B_noise_ci'][0])}, {_big(r['B_noise_ci'][1])}]"
+        bx = f"{_big(r['B_noise_x_nfe'])} [{_big(r['B_noise_x_nfe_ci'][0])}, {_big(r['B_noise_x_nfe_ci'][1])}]"
+        ba = f"{_big(r['B_along_x_nfe'])} [{_big(r['B_along_x_nfe_ci'][0])}, {_big(r['B_along_x_nfe_ci'][1])}]"
+        print(f"| {r['arm']} | {r['nfe_per_sample']:.1f} | {bn} | {bx} | {_fmt(r['cos_sig'], r['cos_sig_ci'], '.2f')} "
+              f"| {_fmt(r['rho_along_ref'], r['rho_along_ref_ci'], '.4f')} | {ba} |", file=file)
     names = [r["arm"] for r in summ["arms"]]
-    print("signal cosine between arms, C_ab / sqrt(C_aa C_bb):", file=file)
-    print(" " * 22 + "".join(f"{n[:10]:>11}" for n in names), file=file)
+    print("\nSignal cosines between arms, C_ab / √(C_aa·C_bb):\n", file=file)
+    print("| | " + " | ".join(names) + " |", file=file)
+    print("|---" * (len(names) + 1) + "|", file=file)
     for n, row in zip(names, summ["signal_cosine_matrix"]):
-        print(f"{n:<22}" + "".join(f"{v:11.2f}" for v in row), file=file)
+        print(f"| {n} | " + " | ".join(f"{v:.2f}" for v in row) + " |", file=file)
 
 
 # ---------------------------------------------------------------------------------------------------------- main
@@ -523,7 +548,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--weights", default="shipped", help="shipped, or a checkpoint / run folder")
     ap.add_argument("--arms", nargs="*", help="SET or SET/ARM (sets: " + ", ".join(SETS) + "); default all")
-    ap.add_argument("--out", type=Path, help="folder for gradient_signal.json and table.txt")
+    ap.add_argument("--out", type=Path, help="folder for gradient_signal.json and table.md")
     ap.add_argument("--minutes", type=float, default=0.0, help="per set: stop before K when this time is used")
     ap.add_argument("--first-iter", type=int, default=1, help="the first iteration's index (its prompts and noise)")
     ap.add_argument("--boot", type=int, default=2000, help="bootstrap resamples")
@@ -547,7 +572,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                       progress=lambda m: print(m, file=sys.stderr, flush=True), on_partial=partial)
         doc["sets"].append(res)
         path.write_text(json.dumps(doc))  # after every set: a partial run keeps what it measured
-    with open(a.out / "table.txt", "w") as f:
+    with open(a.out / "table.md", "w") as f:
         for res in doc["sets"]:
             summ = summarize(res, a.boot)
             res["summary"] = summ

@@ -83,3 +83,11 @@ def test_every_arm_gets_the_gradient_the_trainer_applies(bench, tmp_path, set_na
         assert torch.allclose(g, want, rtol=1e-4, atol=1e-5 * float(want.abs().max())), a.name
     # the arms differ (their credit does), on the same rollouts
     assert not torch.allclose(out.grads[0], out.grads[1])
+
+
+def test_rho_along_the_reference_counts_only_the_reference_direction(bench):
+    ref = np.array([[1.0, 0.0]] * 3)  # s_ref = (1, 0), no noise
+    a = np.array([[1.0, 1.0], [1.0, -1.0], [1.0, 1.0]])  # along s_ref: 1 per iteration; E|g_a|² = 2
+    blk = lambda x, y: x @ y.T  # noqa: E731
+    assert bench.rho_along(blk(a, ref), blk(a, a), blk(ref, ref)) == pytest.approx(0.5)  # 1² / (1 · 2)
+    assert bench.rho_along(blk(-a, ref), blk(a, a), blk(ref, ref)) == pytest.approx(-0.5)  # against it: negative
