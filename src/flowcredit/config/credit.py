@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .ranges import check_ranges
+from .build import check_ranges
 from .registry import options_field
 
 

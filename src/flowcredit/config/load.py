@@ -75,7 +75,7 @@ from .files import (
 from .keys import ConfigError, _is_under, _join
 from .keys import _display_path as _display
 from .overrides import _apply_overrides, apply_overrides
-from .ranges import check_ranges, range_text
+from .build import check_ranges, range_text
 
 __all__ = [
     "ConfigError",

@@ -28,7 +28,7 @@ from typing import Any
 
 from .annotations import _default, _has_default, _init_fields, _type_hints, _type_name
 from .build import build_options
-from .ranges import range_text
+from .build import range_text
 
 
 @dataclass(frozen=True)

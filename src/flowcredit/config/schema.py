@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from .credit import CreditCfg
 from .fields import _h
-from .ranges import check_values
+from .build import check_values
 from .registry import REGISTRIES, options_field
 from .run import DistCfg, FaultsCfg, RunCfg
 
