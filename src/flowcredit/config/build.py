@@ -19,20 +19,32 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
+import operator
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 from typing_extensions import Required, TypedDict
 
-from .annotations import _default, _describe_value, _has_default, _how_to_write, _init_fields, _is_union, _type_hints
-from .annotations import _type_name
+from .annotations import (
+    _default,
+    _describe_value,
+    _has_default,
+    _how_to_write,
+    _init_fields,
+    _is_union,
+    _type_hints,
+    _type_name,
+)
 from .keys import ConfigError, SourceMap, _at, _item, _join, _source_of, _sources_inside
 
 T = TypeVar("T")
+_A: Any = Annotated  # the types below are built at run time: a type checker sees none of them
+_TypedDict: Any = TypedDict
 _BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 
@@ -74,24 +86,24 @@ def _pydantic_type(tp: Any, bounds: dict[str, Any]) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     num = (Field(**bounds),) if bounds else ()  # keys among ge/gt/le/lt
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        return Annotated[_mirror(tp), BeforeValidator(_section)]
+        return _A[_mirror(tp), BeforeValidator(_section)]
     if _is_union(tp):
-        return Union[tuple(_pydantic_type(a, bounds) for a in args)]
+        return functools.reduce(operator.or_, [_pydantic_type(a, bounds) for a in args])
     if origin in (list, Sequence) or tp in (list, Sequence):
-        return Annotated[list[_pydantic_type(args[0], bounds) if args else Any], BeforeValidator(_listed(list))]
+        return _A[list[_pydantic_type(args[0], bounds) if args else Any], BeforeValidator(_listed(list))]  # type: ignore[misc]
     if origin is tuple:
-        items = tuple(_pydantic_type(a, bounds) if a is not Ellipsis else a for a in args)
-        return Annotated[tuple[items] if items else tuple, BeforeValidator(_listed(tuple))]
+        items: Any = tuple(_pydantic_type(a, bounds) if a is not Ellipsis else a for a in args)
+        return _A[tuple[items] if items else tuple, BeforeValidator(_listed(tuple))]
     if origin in (dict, Mapping) or tp in (dict, Mapping):
-        return dict[_pydantic_type(args[0], {}), _pydantic_type(args[1], bounds)] if args else dict  # type: ignore
+        return dict[_pydantic_type(args[0], {}), _pydantic_type(args[1], bounds)] if args else dict  # type: ignore[misc]
     if tp is float:
-        return Annotated[(float, *num, BeforeValidator(_yaml_float))]
+        return _A[(float,) + num + (BeforeValidator(_yaml_float),)]
     if tp is int:
-        return Annotated[(int, *num)] if num else int
+        return _A[(int,) + num] if num else int
     if tp is bool:
-        return Annotated[bool, BeforeValidator(_yaml_bool)]
+        return _A[bool, BeforeValidator(_yaml_bool)]
     if tp is Path:
-        return Annotated[Path, BeforeValidator(lambda v: Path(v) if isinstance(v, str) else v)]
+        return _A[Path, BeforeValidator(lambda v: Path(v) if isinstance(v, str) else v)]
     return tp  # str, Literal, Any, other classes: pydantic's strict rules
 
 
@@ -106,15 +118,15 @@ def _mirror(cls: type) -> Any:
         for f in _init_fields(cls):
             tp = _pydantic_type(_type_hints(cls)[f.name], {k: f.metadata[k] for k in _BOUNDS if k in f.metadata})
             fields[f.name] = tp if _has_default(f) else Required[tp]
-        mirror = TypedDict(cls.__name__, fields, total=False)  # type: ignore[operator]
-        mirror.__pydantic_config__ = ConfigDict(strict=True, extra="forbid")  # type: ignore[attr-defined]
+        mirror = _TypedDict(cls.__name__, fields, total=False)
+        mirror.__pydantic_config__ = ConfigDict(strict=True, extra="forbid")
         _MIRRORS[cls] = mirror
     return _MIRRORS[cls]
 
 
 def _adapter(cls: type) -> TypeAdapter:
     if cls not in _ADAPTERS:
-        _ADAPTERS[cls] = TypeAdapter(Annotated[_mirror(cls), BeforeValidator(_section)])
+        _ADAPTERS[cls] = TypeAdapter(_A[_mirror(cls), BeforeValidator(_section)])
     return _ADAPTERS[cls]
 
 
@@ -165,7 +177,8 @@ def _check(obj: Any, path: str, types: set[str]) -> None:
             key, tp, meta, _ = _Builder({}).locate(type(obj), path, errors[0]["loc"])
             value = _shown(errors[0]["input"], tp)
             if errors[0]["type"] == "literal_error":
-                raise ConfigError(f"{key} = {value!r} must be one of {', '.join(map(repr, _choices(tp)))}", key=key)
+                choices = ", ".join(map(repr, _choices(tp)))
+                raise ConfigError(f"{key} = {value!r} must be one of {choices}", key=key) from None
             raise ConfigError(f"{key} = {value!r} {_must(meta)}", key=key) from None
 
 
@@ -233,7 +246,8 @@ class _Builder:
     def locate(self, cls: type, path: str, loc: tuple) -> tuple[str, Any, Mapping, tuple[type, str] | None]:
         """(dotted key, annotation, field metadata, (dataclass, path) of the section holding it) of a pydantic
         error location; it stops at a union of several types (the error is about the union)."""
-        tp, meta, parent, prev = cls, {}, None, cls
+        tp, prev, parent = cls, cls, None
+        meta: Mapping[str, Any] = {}
         for part in loc:
             arms = [a for a in typing.get_args(tp) if a is not type(None)] if _is_union(tp) else [tp]
             if len(arms) != 1:
@@ -288,7 +302,8 @@ class _Builder:
             shown = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
             fix = " or ".join(f"{t}={shown}" for t in targets)
             return self.error(sub, f"is an old key: it is now {' or '.join(targets)} (options belong to the "
-                              f"implementation that reads them; flowcredit train --help-config lists them); write {fix}")
+                              "implementation that reads them; flowcredit train --help-config lists them); "
+                              f"write {fix}")
         names = [f.name for f in _init_fields(cls)]
         close = difflib.get_close_matches(key, names, n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""

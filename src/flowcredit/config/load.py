@@ -61,7 +61,7 @@ from typing import Any, TypeVar
 import yaml
 
 from .annotations import _default, _has_default, _init_fields, _is_union, _type_hints, _type_name
-from .build import from_dict
+from .build import check_ranges, from_dict, range_text
 from .files import (
     END_LINE,
     END_NOTE,
@@ -75,7 +75,6 @@ from .files import (
 from .keys import ConfigError, _is_under, _join
 from .keys import _display_path as _display
 from .overrides import _apply_overrides, apply_overrides
-from .build import check_ranges, range_text
 
 __all__ = [
     "ConfigError",

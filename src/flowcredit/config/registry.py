@@ -27,8 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .annotations import _default, _has_default, _init_fields, _type_hints, _type_name
-from .build import build_options
-from .build import range_text
+from .build import build_options, range_text
 
 
 @dataclass(frozen=True)

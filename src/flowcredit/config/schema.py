@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from .build import check_values
 from .credit import CreditCfg
 from .fields import _h
-from .build import check_values
 from .registry import REGISTRIES, options_field
 from .run import DistCfg, FaultsCfg, RunCfg
 
