@@ -49,18 +49,13 @@ _BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The pydantic mirror of a dataclass
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def _yaml_float(v: Any) -> Any:
-    if isinstance(v, str):
-        try:
-            return float(v)
-        except ValueError:
-            pass
-    return v
+    try:
+        return float(v) if isinstance(v, str) else v
+    except ValueError:
+        return v
 
 
 def _yaml_bool(v: Any) -> Any:
@@ -74,11 +69,9 @@ def _listed(kind: type) -> Any:
 
 def _section(v: Any) -> Any:
     """An empty section header means all defaults; a dataclass instance is read as its fields."""
-    if v is None:
-        return {}
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         return {f.name: getattr(v, f.name) for f in _init_fields(type(v))}
-    return v
+    return {} if v is None else v
 
 
 def _pydantic_type(tp: Any, bounds: dict[str, Any]) -> Any:
@@ -125,14 +118,9 @@ def _mirror(cls: type) -> Any:
 
 
 def _adapter(cls: type) -> TypeAdapter:
-    if cls not in _ADAPTERS:
-        _ADAPTERS[cls] = TypeAdapter(_A[_mirror(cls), BeforeValidator(_section)])
-    return _ADAPTERS[cls]
+    return _ADAPTERS.get(cls) or _ADAPTERS.setdefault(cls, TypeAdapter(_A[_mirror(cls), BeforeValidator(_section)]))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Ranges and choices
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def _num_text(x: Any) -> str:
@@ -141,10 +129,7 @@ def _num_text(x: Any) -> str:
 
 def range_text(metadata: Mapping[str, Any]) -> str | None:
     """The declared range of a field, e.g. ">= 0", "> 0" or "(0, 1]"; None when the field declares none.
-
-    Raises:
-        TypeError: a schema that declares both ``ge`` and ``gt`` (or both ``le`` and ``lt``).
-    """
+    TypeError for a schema that declares both ``ge`` and ``gt`` (or both ``le`` and ``lt``)."""
     if "ge" in metadata and "gt" in metadata or "le" in metadata and "lt" in metadata:
         raise TypeError(f"a field declares two bounds on one side: {dict(metadata)}; keep one of ge/gt and of le/lt")
     lo = next((k for k in ("ge", "gt") if k in metadata), None)
@@ -183,11 +168,7 @@ def _check(obj: Any, path: str, types: set[str]) -> None:
 
 
 def check_ranges(obj: Any, path: str = "") -> None:
-    """Check every declared range of an already built config object (e.g. one constructed in code).
-
-    Raises:
-        ConfigError: ``key = value must be ...`` for the first value outside its field's range.
-    """
+    """Check every declared range of a config object built in code: ConfigError ``key = value must be ...``."""
     _check(obj, path, _RANGE_ERRORS)
 
 
@@ -203,18 +184,13 @@ def _shown(value: Any, tp: Any) -> Any:
     return float(value) if floats and isinstance(value, int) and not isinstance(value, bool) else value
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# One load: pydantic validates, the errors are worded, the dataclasses are built
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def _lookup(data: Mapping, dotted: str) -> tuple[bool, Any]:
-    node: Any = data
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return False, None
-        node = node[part]
-    return True, node
+    head, _, rest = dotted.partition(".")
+    if head not in data:
+        return False, None
+    return _lookup(data[head], rest) if rest and isinstance(data[head], Mapping) else (not rest, data[head])
 
 
 def _with_value(data: Mapping, dotted: str, value: Any) -> dict:
@@ -226,9 +202,9 @@ def _with_value(data: Mapping, dotted: str, value: Any) -> dict:
 class _Builder:
     """One conversion run: holds the source map so every error can say where the value came from."""
 
-    def __init__(self, sources: SourceMap):
+    def __init__(self, sources: SourceMap, labels: dict[str, str] | None = None):
         self.sources = sources
-        self.labels: dict[str, str] = {}  # dotted path of a section → what it is, for "valid keys in ..." messages
+        self.labels = labels or {}  # dotted path of a section → what it is, for "valid keys in ..." messages
 
     def error(self, path: str, message: str) -> ConfigError:
         """ConfigError "'KEY' at SOURCE {message}" for the value at `path`."""
@@ -406,18 +382,12 @@ class _Builder:
 
 
 def from_dict(cls: type[T], data: Mapping[str, Any] | None, *, source: SourceMap | str | None = None) -> T:
-    """Build the nested dataclass `cls` from a plain mapping, strictly (see the module docstring).
+    """Build the nested dataclass `cls` from nested mappings (not modified; missing keys take the defaults).
 
-    Args:
-        cls: the root config dataclass.
-        data: nested mappings as read from YAML (missing keys take the dataclass defaults). Not modified.
-        source: where the values came from, for error messages: a map dotted key -> "file.yaml:LINE" /
-            "override 'a.b=c'" (the line map of `load_yaml`), or one string for all values.
-
-    Raises:
-        ConfigError: unknown key (with a close-match suggestion, or the new place of an old key), wrong type, value
-            outside a Literal or its declared range, two linked keys that contradict each other, missing required
-            key, or a ValueError raised by a ``__post_init__`` (re-raised naming the section).
+    `source` says where the values came from: a map dotted key -> "file.yaml:LINE" / "override 'a.b=c'" (the line
+    map of `load_yaml`), or one string for all values. ConfigError: an unknown key (with a suggestion, or the new
+    place of an old key), a wrong type, a value outside a Literal or its range, a missing required key, two linked
+    keys that contradict each other, or a ``__post_init__`` ValueError (re-raised naming the section).
     """
     if not (dataclasses.is_dataclass(cls) and isinstance(cls, type)):
         raise TypeError(f"from_dict needs a dataclass type, got {cls!r}")
@@ -428,7 +398,4 @@ def build_options(cls: type[T], data: Mapping[str, Any] | None, path: str, *, so
                   label: str | None = None) -> T:
     """An options dataclass found at dotted `path` (e.g. "credit.options"), built as strictly as `from_dict` builds a
     config; every message names ``path.KEY`` (and `source` when given; `label` says whose options they are)."""
-    builder = _Builder({"": source} if source else {})
-    if label:
-        builder.labels[path] = label
-    return builder.load(cls, data, path)
+    return _Builder({"": source} if source else {}, {path: label} if label else None).load(cls, data, path)
