@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -11,10 +10,12 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 
-@functools.cache
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
 def _type_hints(cls: type) -> dict[str, Any]:
     """Resolved field types (string annotations from `from __future__ import annotations` included)."""
-    return typing.get_type_hints(cls)
+    return _HINTS.get(cls) or _HINTS.setdefault(cls, typing.get_type_hints(cls))
 
 
 def _init_fields(cls: type) -> list[dataclasses.Field]:
@@ -26,7 +27,7 @@ def _has_default(f: dataclasses.Field) -> bool:
 
 
 def _default(f: dataclasses.Field) -> Any:
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc,operator]
 
 
 def _is_union(tp: Any) -> bool:
