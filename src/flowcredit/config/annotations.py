@@ -9,7 +9,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Union
 
-
 _HINTS: dict[type, dict[str, Any]] = {}
 
 
