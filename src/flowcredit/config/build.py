@@ -49,8 +49,6 @@ _BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 
 
-
-
 def _yaml_float(v: Any) -> Any:
     try:
         return float(v) if isinstance(v, str) else v
@@ -58,13 +56,10 @@ def _yaml_float(v: Any) -> Any:
         return v
 
 
-def _yaml_bool(v: Any) -> Any:
-    return v.lower() == "true" if isinstance(v, str) and v.lower() in ("true", "false") else v
-
-
-def _listed(kind: type) -> Any:
-    """A YAML list for a tuple, or a tuple for a list (a config built in code)."""
-    return lambda v: kind(v) if isinstance(v, (list, tuple)) else v
+_BEFORE = {  # conversions before pydantic's strict check: YAML 1.1 reads 1e-4 as a string; a quoted "true" is a bool
+    float: _yaml_float, bool: lambda v: v.lower() == "true" if isinstance(v, str) and v.lower() in ("true", "false")
+    else v, Path: lambda v: Path(v) if isinstance(v, str) else v,
+    list: lambda v: list(v) if isinstance(v, tuple) else v, tuple: lambda v: tuple(v) if isinstance(v, list) else v}
 
 
 def _section(v: Any) -> Any:
@@ -83,21 +78,15 @@ def _pydantic_type(tp: Any, bounds: dict[str, Any]) -> Any:
     if _is_union(tp):
         return functools.reduce(operator.or_, [_pydantic_type(a, bounds) for a in args])
     if origin in (list, Sequence) or tp in (list, Sequence):
-        return _A[list[_pydantic_type(args[0], bounds) if args else Any], BeforeValidator(_listed(list))]  # type: ignore[misc]
+        return _A[list[_pydantic_type(args[0], bounds) if args else Any], BeforeValidator(_BEFORE[list])]  # type: ignore[misc]
     if origin is tuple:
         items: Any = tuple(_pydantic_type(a, bounds) if a is not Ellipsis else a for a in args)
-        return _A[tuple[items] if items else tuple, BeforeValidator(_listed(tuple))]
+        return _A[tuple[items] if items else tuple, BeforeValidator(_BEFORE[tuple])]
     if origin in (dict, Mapping) or tp in (dict, Mapping):
         return dict[_pydantic_type(args[0], {}), _pydantic_type(args[1], bounds)] if args else dict  # type: ignore[misc]
-    if tp is float:
-        return _A[(float,) + num + (BeforeValidator(_yaml_float),)]
-    if tp is int:
-        return _A[(int,) + num] if num else int
-    if tp is bool:
-        return _A[bool, BeforeValidator(_yaml_bool)]
-    if tp is Path:
-        return _A[Path, BeforeValidator(lambda v: Path(v) if isinstance(v, str) else v)]
-    return tp  # str, Literal, Any, other classes: pydantic's strict rules
+    before = (BeforeValidator(_BEFORE[tp]),) if tp in _BEFORE else ()
+    extra = (num if tp in (int, float) else ()) + before
+    return _A[(tp,) + extra] if extra else tp  # str, Literal, Any, other classes: pydantic's strict rules
 
 
 _MIRRORS: dict[type, Any] = {}
@@ -119,8 +108,6 @@ def _mirror(cls: type) -> Any:
 
 def _adapter(cls: type) -> TypeAdapter:
     return _ADAPTERS.get(cls) or _ADAPTERS.setdefault(cls, TypeAdapter(_A[_mirror(cls), BeforeValidator(_section)]))
-
-
 
 
 def _num_text(x: Any) -> str:
@@ -182,8 +169,6 @@ def _shown(value: Any, tp: Any) -> Any:
     """A value as the field holds it: an int given for a float is shown as the float."""
     floats = float in (typing.get_args(tp) if _is_union(tp) else (tp,))
     return float(value) if floats and isinstance(value, int) and not isinstance(value, bool) else value
-
-
 
 
 def _lookup(data: Mapping, dotted: str) -> tuple[bool, Any]:
@@ -250,7 +235,7 @@ class _Builder:
         key, tp, meta, parent = self.locate(cls, path, d["loc"])
         value, kind = d.get("input"), d["type"]
         if kind == "extra_forbidden" and parent is not None:
-            return self.unknown_key(*parent, key.rsplit(".", 1)[-1], value)
+            return self.unknown_key(*parent, str(d["loc"][-1]), value)
         if kind == "missing" and parent is not None:
             source = _source_of(self.sources, parent[1])
             return ConfigError(
