@@ -133,9 +133,10 @@ def _must(metadata: Mapping[str, Any]) -> str:
 
 
 def _choices(tp: Any) -> tuple:
-    """The allowed values of a `Literal[...]` annotation (also inside Optional)."""
+    """The allowed values of a `Literal[...]` annotation (None too inside Optional)."""
     arms = typing.get_args(tp) if _is_union(tp) else (tp,)
-    return tuple(v for a in arms for v in (typing.get_args(a) if typing.get_origin(a) is Literal else ()))
+    return tuple(v for a in arms for v in (typing.get_args(a) if typing.get_origin(a) is Literal else
+                                           (None,) if a is type(None) else ()))
 
 
 def _check(obj: Any, path: str, types: set[str]) -> None:
@@ -241,10 +242,12 @@ class _Builder:
             return ConfigError(
                 f"missing required key '{key}' (type {_type_name(tp)}) in {self.section(parent[1])}{_at(source)}; set "
                 f"it in the YAML or with the override {key}=VALUE", key=key, source=source)
+        if value is None and kind != "missing":
+            return self.wrong_type(key, value, tp)
         if kind == "literal_error":
-            close = difflib.get_close_matches(str(value), [str(a) for a in _choices(tp)], n=1)
+            close = difflib.get_close_matches(str(value), [str(a) for a in _choices(tp) if a is not None], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            allowed = ", ".join(map(repr, _choices(tp)))
+            allowed = ", ".join("null" if a is None else repr(a) for a in _choices(tp))
             return self.error(key, f"must be one of {allowed}, got {value!r}{hint}")
         if kind in _RANGE_ERRORS:
             source = _source_of(self.sources, key)
