@@ -101,7 +101,7 @@ def _mirror(cls: type) -> Any:
             tp = _pydantic_type(_type_hints(cls)[f.name], {k: f.metadata[k] for k in _BOUNDS if k in f.metadata})
             fields[f.name] = tp if _has_default(f) else Required[tp]
         mirror = _TypedDict(cls.__name__, fields, total=False)
-        mirror.__pydantic_config__ = ConfigDict(strict=True, extra="forbid")
+        mirror.__pydantic_config__ = ConfigDict(strict=True, extra="forbid", arbitrary_types_allowed=True)
         _MIRRORS[cls] = mirror
     return _MIRRORS[cls]
 
