@@ -200,7 +200,10 @@ class _Builder:
     def wrong_type(self, path: str, value: Any, tp: Any) -> ConfigError:
         if value is None:
             return self.error(path, f"is null but must be {_type_name(tp)}; give a value or remove it")
-        return self.error(path, f"must be {_type_name(tp)}, got {_describe_value(value)}; {_how_to_write(tp)}")
+        value = list(value) if isinstance(value, tuple) else value  # as YAML wrote it (a list given for a tuple)
+        args = typing.get_args(tp) if typing.get_origin(tp) is tuple and isinstance(value, list) else (...,)
+        n = f" ({len(value)} items instead of {len(args)})" if args[-1:] != (...,) else ""
+        return self.error(path, f"must be {_type_name(tp)}, got {_describe_value(value)}{n}; {_how_to_write(tp)}")
 
     def section(self, path: str) -> str:
         return (f"'{path}'" if path else "the top level") + (f" ({self.labels[path]})" if path in self.labels else "")
@@ -222,7 +225,8 @@ class _Builder:
             elif part == "[key]":
                 path, tp = f"{path} (key)", typing.get_args(prev)[0] if typing.get_args(prev) else Any
             elif isinstance(part, int):
-                path, tp = _item(path, part), (args[part] if origin is tuple and args[-1:] != (...,) else args[0])
+                path, tp = _item(path, part), (args[part] if origin is tuple and args[-1:] != (...,) else
+                                               (args or (Any,))[0])
             elif origin in (dict, Mapping):
                 path, tp = _join(path, part), args[1] if args else Any
             else:
@@ -233,10 +237,12 @@ class _Builder:
     def message(self, e: ValidationError, cls: type, path: str) -> ConfigError:
         """The first of pydantic's errors (unknown keys first) as one ConfigError line."""
         d = sorted(e.errors(), key=lambda d: d["type"] != "extra_forbidden")[0]
-        key, tp, meta, parent = self.locate(cls, path, d["loc"])
-        value, kind = d.get("input"), d["type"]
+        value, kind, loc = d.get("input"), d["type"], d["loc"]
+        if kind == "missing" and loc and isinstance(loc[-1], int):  # a tuple with too few items
+            kind, loc = "too_short", loc[:-1]
+        key, tp, meta, parent = self.locate(cls, path, loc)
         if kind == "extra_forbidden" and parent is not None:
-            return self.unknown_key(*parent, str(d["loc"][-1]), value)
+            return self.unknown_key(*parent, str(loc[-1]), value)
         if kind == "missing" and parent is not None:
             source = _source_of(self.sources, parent[1])
             return ConfigError(
