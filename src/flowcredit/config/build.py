@@ -69,14 +69,15 @@ def _section(v: Any) -> Any:
     return {} if v is None else v
 
 
-def _pydantic_type(tp: Any, bounds: dict[str, Any]) -> Any:
-    """The annotation pydantic validates `tp` with; `bounds` (the field's range) applies to every number in it."""
+def _pydantic_type(tp: Any, bounds: dict[str, Any], from_str: bool = True) -> Any:
+    """The annotation pydantic validates `tp` with; `bounds` (the field's range) applies to every number in it;
+    without `from_str` (a union with str) a string stays a string."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     num = (Field(**bounds),) if bounds else ()  # keys among ge/gt/le/lt
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         return _A[_mirror(tp), BeforeValidator(_section)]
     if _is_union(tp):
-        return functools.reduce(operator.or_, [_pydantic_type(a, bounds) for a in args])
+        return functools.reduce(operator.or_, [_pydantic_type(a, bounds, str not in args) for a in args])
     if origin in (list, Sequence) or tp in (list, Sequence):
         return _A[list[_pydantic_type(args[0], bounds) if args else Any], BeforeValidator(_BEFORE[list])]  # type: ignore[misc]
     if origin is tuple:
@@ -84,7 +85,7 @@ def _pydantic_type(tp: Any, bounds: dict[str, Any]) -> Any:
         return _A[tuple[items] if items else tuple, BeforeValidator(_BEFORE[tuple])]
     if origin in (dict, Mapping) or tp in (dict, Mapping):
         return dict[_pydantic_type(args[0], {}), _pydantic_type(args[1], bounds)] if args else dict  # type: ignore[misc]
-    before = (BeforeValidator(_BEFORE[tp]),) if tp in _BEFORE else ()
+    before = (BeforeValidator(_BEFORE[tp]),) if tp in _BEFORE and (from_str or tp not in (float, bool)) else ()
     extra = (num if tp in (int, float) else ()) + before
     return _A[(tp,) + extra] if extra else tp  # str, Literal, Any, other classes: pydantic's strict rules
 
