@@ -1,8 +1,9 @@
 """Every value validated at load (issue 24 item 3, issue 22): declared ranges, where a bad value came from, and
 method / credit.name contradictions.
 
-Ranges live in the field metadata (`_h(..., ge=0)` in config/schema.py, `metadata={"gt": 0}` in CreditCfg) and are
-checked in one place, `flowcredit.config.load` (`_Builder.build`), right after each value's type.
+Ranges live in the field metadata (`_h(..., ge=0)` in config/schema.py, `metadata={"gt": 0}` in a plugin's options)
+and are checked by pydantic in one place (`flowcredit.config.build`), with each value's type, before any cross-field
+check.
 """
 
 from __future__ import annotations

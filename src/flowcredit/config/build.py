@@ -1,16 +1,34 @@
-"""`from_dict`: nested mappings -> dataclasses, strictly (unknown keys, types, Literals, ranges, links)."""
+"""`from_dict`: nested mappings -> dataclasses, validated by pydantic v2; our code only words its errors.
+
+Each config dataclass is mirrored (once, cached) by a pydantic ``TypedDict`` with ``strict=True, extra="forbid"``:
+the same fields, required where the dataclass has no default, and the field metadata's range (``ge``, ``gt``,
+``le``, ``lt``) as pydantic constraints on the number, each item of a list or each value of a mapping. pydantic
+checks the whole tree (unknown keys, missing keys, types, ``Literal`` choices, ranges); the first error becomes one
+``ConfigError`` line with the dotted key, where it was set, the allowed values or range and a suggestion. Then the
+dataclasses are built bottom-up: a ``{name, options}`` section's options are checked against the named component's
+options dataclass (config/registry.py), and a ``ValueError`` of a ``__post_init__`` is re-raised naming the section.
+
+Type rules (pydantic strict mode, plus two YAML-friendly conversions): ``int`` -> ``float`` is accepted, and so is a
+string a float parses (YAML 1.1 reads ``1e-4`` as a string); ``bool`` accepts only ``true``/``false`` (also quoted);
+``int`` never accepts floats, bools or strings; ``str`` never accepts numbers (quote them); ``None`` only where the
+type is ``Optional``, except that an empty section header (``sampler:``) means "all defaults".
+"""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import difflib
+import functools
+import operator
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
+from pydantic import BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
+from typing_extensions import Required, TypedDict
 
 from .annotations import (
     _default,
@@ -23,334 +41,356 @@ from .annotations import (
     _type_name,
 )
 from .keys import ConfigError, SourceMap, _at, _item, _join, _source_of, _sources_inside
-from .ranges import _out_of_range, _range_error
 
 T = TypeVar("T")
+_A: Any = Annotated  # the types below are built at run time: a type checker sees none of them
+_TypedDict: Any = TypedDict
+_BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+
+
+def _yaml_float(v: Any) -> Any:
+    try:
+        return float(v) if isinstance(v, str) else v
+    except ValueError:
+        return v
+
+
+_BEFORE = {  # conversions before pydantic's strict check: YAML 1.1 reads 1e-4 as a string; a quoted "true" is a bool
+    float: _yaml_float, bool: lambda v: v.lower() == "true" if isinstance(v, str) and v.lower() in ("true", "false")
+    else v, Path: lambda v: Path(v) if isinstance(v, str) else v,
+    list: lambda v: list(v) if isinstance(v, tuple) else v, tuple: lambda v: tuple(v) if isinstance(v, list) else v}
+
+
+def _section(v: Any) -> Any:
+    """An empty section header means all defaults; a dataclass instance is read as its fields."""
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: getattr(v, f.name) for f in _init_fields(type(v))}
+    return {} if v is None else v
+
+
+def _pydantic_type(tp: Any, bounds: dict[str, Any], from_str: bool = True) -> Any:
+    """The annotation pydantic validates `tp` with; `bounds` (the field's range) applies to every number in it;
+    without `from_str` (a union with str) a string stays a string."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    num = (Field(**bounds),) if bounds else ()  # keys among ge/gt/le/lt
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _A[_mirror(tp), BeforeValidator(_section)]
+    if _is_union(tp):
+        return functools.reduce(operator.or_, [_pydantic_type(a, bounds, str not in args) for a in args])
+    if origin in (list, Sequence) or tp in (list, Sequence):
+        return _A[list[_pydantic_type(args[0], bounds) if args else Any], BeforeValidator(_BEFORE[list])]  # type: ignore[misc]
+    if origin is tuple:
+        items: Any = tuple(_pydantic_type(a, bounds) if a is not Ellipsis else a for a in args)
+        return _A[tuple[items] if items else tuple, BeforeValidator(_BEFORE[tuple])]
+    if origin in (dict, Mapping) or tp in (dict, Mapping):
+        return dict[_pydantic_type(args[0], {}), _pydantic_type(args[1], bounds)] if args else dict  # type: ignore[misc]
+    before = (BeforeValidator(_BEFORE[tp]),) if tp in _BEFORE and (from_str or tp not in (float, bool)) else ()
+    extra = (num if tp in (int, float) else ()) + before
+    return _A[(tp,) + extra] if extra else tp  # str, Literal, Any, other classes: pydantic's strict rules
+
+
+_MIRRORS: dict[type, Any] = {}
+_ADAPTERS: dict[type, TypeAdapter] = {}
+
+
+def _mirror(cls: type) -> Any:
+    """The pydantic TypedDict of dataclass `cls` (keys left out take the dataclass defaults when it is built)."""
+    if cls not in _MIRRORS:
+        fields = {}
+        for f in _init_fields(cls):
+            tp = _pydantic_type(_type_hints(cls)[f.name], {k: f.metadata[k] for k in _BOUNDS if k in f.metadata})
+            fields[f.name] = tp if _has_default(f) else Required[tp]
+        mirror = _TypedDict(cls.__name__, fields, total=False)
+        mirror.__pydantic_config__ = ConfigDict(strict=True, extra="forbid", arbitrary_types_allowed=True)
+        _MIRRORS[cls] = mirror
+    return _MIRRORS[cls]
+
+
+def _adapter(cls: type) -> TypeAdapter:
+    return _ADAPTERS.get(cls) or _ADAPTERS.setdefault(cls, TypeAdapter(_A[_mirror(cls), BeforeValidator(_section)]))
+
+
+def _num_text(x: Any) -> str:
+    return repr(x) if isinstance(x, int) else f"{x:g}"
+
+
+def range_text(metadata: Mapping[str, Any]) -> str | None:
+    """The declared range of a field, e.g. ">= 0", "> 0" or "(0, 1]"; None when the field declares none.
+    TypeError for a schema that declares both ``ge`` and ``gt`` (or both ``le`` and ``lt``)."""
+    if "ge" in metadata and "gt" in metadata or "le" in metadata and "lt" in metadata:
+        raise TypeError(f"a field declares two bounds on one side: {dict(metadata)}; keep one of ge/gt and of le/lt")
+    lo = next((k for k in ("ge", "gt") if k in metadata), None)
+    hi = next((k for k in ("le", "lt") if k in metadata), None)
+    if lo and hi:
+        return f"{'[(' [lo == 'gt']}{_num_text(metadata[lo])}, {_num_text(metadata[hi])}{'])'[hi == 'lt']}"
+    one = lo or hi
+    return f"{_BOUNDS[one]} {_num_text(metadata[one])}" if one else None
+
+
+def _must(metadata: Mapping[str, Any]) -> str:
+    text = range_text(metadata) or ""
+    return f"must be {'in ' if text[:1] in '[(' else ''}{text}"
+
+
+def _choices(tp: Any) -> tuple:
+    """The allowed values of a `Literal[...]` annotation (None too inside Optional)."""
+    arms = typing.get_args(tp) if _is_union(tp) else (tp,)
+    return tuple(v for a in arms for v in (typing.get_args(a) if typing.get_origin(a) is Literal else
+                                           (None,) if a is type(None) else ()))
+
+
+def _check(obj: Any, path: str, types: set[str]) -> None:
+    if not (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+        return
+    try:
+        _adapter(type(obj)).validate_python(obj)
+    except ValidationError as e:
+        errors = [d for d in e.errors() if d["type"] in types]
+        if errors:
+            key, tp, meta, _ = _Builder({}).locate(type(obj), path, errors[0]["loc"])
+            value = _shown(errors[0]["input"], tp)
+            if errors[0]["type"] == "literal_error":
+                choices = ", ".join(map(repr, _choices(tp)))
+                raise ConfigError(f"{key} = {value!r} must be one of {choices}", key=key) from None
+            raise ConfigError(f"{key} = {value!r} {_must(meta)}", key=key) from None
+
+
+def check_ranges(obj: Any, path: str = "") -> None:
+    """Check every declared range of a config object built in code: ConfigError ``key = value must be ...``."""
+    _check(obj, path, _RANGE_ERRORS)
+
+
+def check_values(obj: Any, path: str = "") -> None:
+    """`check_ranges` plus the `Literal` choices of every field of a dataclass built in code (e.g. the options
+    dataclass of a credit method: ``StepwiseOptions(norm="joined")``); a loaded config was checked already."""
+    _check(obj, path, _RANGE_ERRORS | {"literal_error"})
+
+
+def _shown(value: Any, tp: Any) -> Any:
+    """A value as the field holds it: an int given for a float is shown as the float."""
+    floats = float in (typing.get_args(tp) if _is_union(tp) else (tp,))
+    return float(value) if floats and isinstance(value, int) and not isinstance(value, bool) else value
 
 
 def _lookup(data: Mapping, dotted: str) -> tuple[bool, Any]:
-    """(found, value) of a dotted key inside nested mappings."""
-    node: Any = data
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return False, None
-        node = node[part]
-    return True, node
-
-
-def _with_value(data: Mapping, dotted: str, value: Any) -> dict | None:
-    """A copy of `data` with `dotted` set to `value` (missing or null sections are created); None if a section on the
-    way is some other value (the type check will report it)."""
     head, _, rest = dotted.partition(".")
-    out = dict(data)
-    if not rest:
-        out[head] = value
-        return out
-    inner = data.get(head)
-    if inner is None:
-        inner = {}
-    if not isinstance(inner, Mapping):
-        return None
-    sub = _with_value(inner, rest, value)
-    if sub is None:
-        return None
-    out[head] = sub
-    return out
+    if head not in data:
+        return False, None
+    return _lookup(data[head], rest) if rest and isinstance(data[head], Mapping) else (not rest, data[head])
+
+
+def _with_value(data: Mapping, dotted: str, value: Any) -> dict:
+    """A copy of `data` with `dotted` set to `value` (missing sections are created)."""
+    head, _, rest = dotted.partition(".")
+    return {**data, head: _with_value(data.get(head) or {}, rest, value) if rest else value}
 
 
 class _Builder:
     """One conversion run: holds the source map so every error can say where the value came from."""
 
-    def __init__(self, sources: SourceMap):
+    def __init__(self, sources: SourceMap, labels: dict[str, str] | None = None):
         self.sources = sources
-        self.labels: dict[str, str] = {}  # dotted path of a section → what it is, for "valid keys in ..." messages
+        self.labels = labels or {}  # dotted path of a section → what it is, for "valid keys in ..." messages
 
-    def error(self, path: str, message: Callable[[str, str], str]) -> ConfigError:
-        """ConfigError for the value at `path`; `message(key, at)` gets the key and " at <source>" (or "")."""
+    def error(self, path: str, message: str) -> ConfigError:
+        """ConfigError "'KEY' at SOURCE {message}" for the value at `path`."""
         source = _source_of(self.sources, path)
-        return ConfigError(message(path or "<config>", _at(source)), key=path, source=source)
+        return ConfigError(f"'{path or '<config>'}'{_at(source)} {message}", key=path, source=source)
 
-    def wrong_type(self, path: str, value: Any, tp: Any, extra: str = "") -> ConfigError:
-        got = f"{_describe_value(value)}{extra}; {_how_to_write(tp)}"
-        return self.error(path, lambda key, at: f"'{key}'{at} must be {_type_name(tp)}, got {got}")
-
-    def convert(self, value: Any, tp: Any, path: str, coerce: bool = True) -> Any:
-        """Check `value` against annotation `tp`, coercing where safe; raise ConfigError otherwise."""
-        origin, args = typing.get_origin(tp), typing.get_args(tp)
-
-        if tp is Any or tp is object:
-            return copy.deepcopy(value)
-
+    def wrong_type(self, path: str, value: Any, tp: Any) -> ConfigError:
         if value is None:
-            if tp is type(None) or (_is_union(tp) and type(None) in args):
-                return None
+            return self.error(path, f"is null but must be {_type_name(tp)}; give a value or remove it")
+        value = list(value) if isinstance(value, tuple) else value  # as YAML wrote it (a list given for a tuple)
+        args = typing.get_args(tp) if typing.get_origin(tp) is tuple and isinstance(value, list) else (...,)
+        n = f" ({len(value)} items instead of {len(args)})" if args[-1:] != (...,) else ""
+        return self.error(path, f"must be {_type_name(tp)}, got {_describe_value(value)}{n}; {_how_to_write(tp)}")
+
+    def section(self, path: str) -> str:
+        return (f"'{path}'" if path else "the top level") + (f" ({self.labels[path]})" if path in self.labels else "")
+
+    def locate(self, cls: type, path: str, loc: tuple) -> tuple[str, Any, Mapping, tuple[type, str] | None]:
+        """(dotted key, annotation, field metadata, (dataclass, path) of the section holding it) of a pydantic
+        error location; it stops at a union of several types (the error is about the union)."""
+        tp, prev, parent = cls, cls, None
+        meta: Mapping[str, Any] = {}
+        for part in loc:
+            arms = [a for a in typing.get_args(tp) if a is not type(None)] if _is_union(tp) else [tp]
+            if len(arms) != 1:
+                break
+            tp, origin, args = arms[0], typing.get_origin(arms[0]), typing.get_args(arms[0])
             if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-                return self.build(tp, {}, path)  # an empty section header (`sampler:`) means "all defaults"
-            raise self.error(
-                path, lambda key, at: f"'{key}'{at} is null but must be {_type_name(tp)}; give a value or remove it"
-            )
+                parent, path = (tp, path), _join(path, part)
+                f = next((f for f in _init_fields(tp) if f.name == part), None)
+                tp, meta = (_type_hints(tp)[part], f.metadata) if f else (Any, {})
+            elif part == "[key]":
+                path, tp = f"{path} (key)", typing.get_args(prev)[0] if typing.get_args(prev) else Any
+            elif isinstance(part, int):
+                path, tp = _item(path, part), (args[part] if origin is tuple and args[-1:] != (...,) else
+                                               (args or (Any,))[0])
+            elif origin in (dict, Mapping):
+                path, tp = _join(path, part), args[1] if args else Any
+            else:
+                break
+            prev = arms[0]
+        return path, tp, meta, parent
 
-        if _is_union(tp):
-            arms = [a for a in args if a is not type(None)]
-            # Exact matches first, so `int | str` keeps "3" a str and `float | str` keeps "1e-4" a str.
-            for strict in (True, False):
-                for arm in arms:
-                    try:
-                        return self.convert(value, arm, path, coerce=not strict)
-                    except ConfigError:
-                        pass
-            raise self.wrong_type(path, value, tp)
-
-        if origin is Literal:
-            if any(value == a and type(value) is type(a) for a in args):
-                return value
-            allowed = ", ".join(repr(a) for a in args)
-            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+    def message(self, e: ValidationError, cls: type, path: str) -> ConfigError:
+        """The first of pydantic's errors (unknown keys first) as one ConfigError line."""
+        d = sorted(e.errors(), key=lambda d: d["type"] != "extra_forbidden")[0]
+        value, kind, loc = d.get("input"), d["type"], d["loc"]
+        if kind == "missing" and loc and isinstance(loc[-1], int):  # a tuple with too few items
+            kind, loc = "too_short", loc[:-1]
+        key, tp, meta, parent = self.locate(cls, path, loc)
+        if kind == "extra_forbidden" and parent is not None:
+            return self.unknown_key(*parent, str(loc[-1]), value)
+        if kind == "missing" and parent is not None:
+            source = _source_of(self.sources, parent[1])
+            return ConfigError(
+                f"missing required key '{key}' (type {_type_name(tp)}) in {self.section(parent[1])}{_at(source)}; set "
+                f"it in the YAML or with the override {key}=VALUE", key=key, source=source)
+        if value is None and kind != "missing":
+            return self.wrong_type(key, value, tp)
+        if kind == "literal_error":
+            close = difflib.get_close_matches(str(value), [str(a) for a in _choices(tp) if a is not None], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise self.error(path, lambda key, at: f"'{key}'{at} must be one of {allowed}, got {value!r}{hint}")
+            allowed = ", ".join("null" if a is None else repr(a) for a in _choices(tp))
+            return self.error(key, f"must be one of {allowed}, got {value!r}{hint}")
+        if kind in _RANGE_ERRORS:
+            source = _source_of(self.sources, key)
+            frm = f" ({source})" if source else ""
+            return ConfigError(f"{key} = {_shown(value, tp)!r}{frm} {_must(meta)}", key=key, source=source)
+        return self.wrong_type(key, value, tp)
 
-        if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-            if isinstance(value, tp):
-                return copy.deepcopy(value)
-            if not isinstance(value, Mapping):
-                raise self.wrong_type(path, value, tp)
-            return self.build(tp, value, path)
+    def unknown_key(self, cls: type, path: str, key: str, value: Any) -> ConfigError:
+        """An unknown key: an old key (class attribute ``MOVED_KEYS = {old: new or (new, ...)}``, relative to the
+        section) names its new place; any other gets the closest valid key and the valid keys of its section."""
+        moved: Mapping[str, str | tuple[str, ...]] = getattr(cls, "MOVED_KEYS", {})
+        sub = _join(path, key)
+        if key in moved:
+            new = moved[key]
+            targets = [_join(path, n) for n in ((new,) if isinstance(new, str) else new)]
+            shown = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+            fix = " or ".join(f"{t}={shown}" for t in targets)
+            return self.error(sub, f"is an old key: it is now {' or '.join(targets)} (options belong to the "
+                              "implementation that reads them; flowcredit train --help-config lists them); "
+                              f"write {fix}")
+        names = [f.name for f in _init_fields(cls)]
+        close = difflib.get_close_matches(key, names, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        tail = "" if close else "; remove it or move it to the section it belongs to"
+        valid = f"valid keys in {self.section(path)}: {', '.join(names) or '(none)'}{tail}"
+        source = _source_of(self.sources, sub)
+        return ConfigError(f"unknown key '{sub}'{_at(source)}; {hint}{valid}", key=sub, source=source)
 
-        if tp is bool:
-            if isinstance(value, bool):
-                return value
-            if coerce and isinstance(value, str) and value.lower() in ("true", "false"):
-                return value.lower() == "true"
-            raise self.wrong_type(path, value, tp)
+    def load(self, cls: type[T], data: Any, path: str) -> T:
+        """Validate mapping `data` found at dotted `path` against dataclass `cls`, then build it."""
+        if data is not None and not isinstance(data, Mapping):
+            if not path:
+                at = _at(_source_of(self.sources, ""))
+                raise ConfigError(f"the config{at} must be a mapping of keys, got {_describe_value(data)}", key="")
+            raise self.wrong_type(path, data, cls)
+        try:
+            valid = _adapter(cls).validate_python(copy.deepcopy(dict(data or {})))
+        except ValidationError as e:
+            raise self.message(e, cls, path) from None
+        return self.build(cls, self.apply_links(cls, valid, path), path)
 
-        if tp is int:
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-            raise self.wrong_type(path, value, tp)
-
-        if tp is float:
-            if isinstance(value, float) or (coerce and isinstance(value, int) and not isinstance(value, bool)):
-                return float(value)
-            if coerce and isinstance(value, str):
-                try:
-                    return float(value)
-                except ValueError:
-                    pass
-            raise self.wrong_type(path, value, tp)
-
-        if tp is str:
-            if isinstance(value, str):
-                return value
-            raise self.wrong_type(path, value, tp)
-
-        if tp is Path:
-            if isinstance(value, (str, Path)):
-                return Path(value)
-            raise self.wrong_type(path, value, tp)
-
-        if origin in (list, Sequence) or tp in (list, Sequence):
-            if not isinstance(value, (list, tuple)):
-                raise self.wrong_type(path, value, tp)
-            item_tp = args[0] if args else Any
-            return [self.convert(v, item_tp, _item(path, i), coerce) for i, v in enumerate(value)]
-
-        if origin is tuple or tp is tuple:
-            if not isinstance(value, (list, tuple)):
-                raise self.wrong_type(path, value, tp)
-            if not args or (len(args) == 2 and args[1] is Ellipsis):
-                item_tp = args[0] if args else Any
-                return tuple(self.convert(v, item_tp, _item(path, i), coerce) for i, v in enumerate(value))
-            if len(value) != len(args):
-                raise self.wrong_type(path, value, tp, f" ({len(value)} items instead of {len(args)})")
-            return tuple(self.convert(v, a, _item(path, i), coerce) for i, (v, a) in enumerate(zip(value, args)))
-
-        if origin in (dict, Mapping) or tp in (dict, Mapping):
-            if not isinstance(value, Mapping):
-                raise self.wrong_type(path, value, tp)
-            key_tp, val_tp = args if args else (Any, Any)
-            out = {}
-            for k, v in value.items():
-                sub = _join(path, k)
-                out[self.convert(k, key_tp, sub + " (key)", coerce)] = self.convert(v, val_tp, sub, coerce)
-            return out
-
-        if isinstance(tp, type):
-            if isinstance(value, tp):
-                return copy.deepcopy(value)
-            raise self.wrong_type(path, value, tp)
-        raise TypeError(f"flowcredit.config does not support the annotation {tp!r} (key '{path}')")
-
-    def apply_links(self, cls: type, data: Mapping, path: str) -> Mapping:
+    def apply_links(self, cls: type, data: dict, path: str) -> dict:
         """Fields whose value is the default of another key: metadata ``sets="section.key"`` (relative to `cls`),
         optionally ``unless=(values that set nothing,)``: a shorthand (``method`` for ``credit.name``).
 
-        When the other key is not in `data` it takes the field's value. When both are set to different values the
+        When the other key is not set it takes the field's value. When both are set to different values the
         explicit key wins (``credit.name=my.mod:fn`` needs no second key), unless only the shorthand came from the
         command line and the key from a file (``method=vgpo`` on a preset that names its credit); the shorthand then
         takes the key's value if it is one of its own, else its first ``unless`` value (``custom``), so the
-        resolved config never contradicts itself. Returns `data`, or a copy with the linked keys filled in.
+        resolved config never contradicts itself.
         """
-        hints = _type_hints(cls)
         for f in _init_fields(cls):
             target = f.metadata.get("sets")
             if target is None:
                 continue
-            sub = _join(path, f.name)
-            value = self.convert(data[f.name], hints[f.name], sub) if f.name in data else _default(f)
+            sub, value = _join(path, f.name), data.get(f.name, _default(f))
             unless = tuple(f.metadata.get("unless", ()))
             found, given = _lookup(data, target)
-            if value in unless and found:
-                continue
             if not found:
-                if value not in unless:
-                    data = _with_value(data, target, value) or data
-                continue
-            if type(given) is not type(value) or given == value:
-                continue  # equal, or a wrong type that the type check reports
-            by_override = (_source_of(self.sources, _join(path, target)) or "").startswith("override")
-            shorthand_by_override = f.name in data and (_source_of(self.sources, sub) or "").startswith("override")
-            if shorthand_by_override and not by_override:  # the command line's shorthand over a file's key
-                data = _with_value(data, target, value) or data
-                continue
-            try:  # the key wins; the shorthand follows it
-                own = self.convert(given, hints[f.name], sub)
-            except ConfigError:
-                own = unless[0] if unless else None
-            if own is None:
-                raise ConfigError(f"{_join(path, target)} = {given!r} contradicts {sub} = {value!r}; remove one",
-                                  key=_join(path, target), source=_source_of(self.sources, _join(path, target)))
-            data = {**data, f.name: own}
+                data = data if value in unless else _with_value(data, target, value)
+            elif value not in unless and type(given) is type(value) and given != value:
+                by_override = (_source_of(self.sources, _join(path, target)) or "").startswith("override")
+                if f.name in data and (_source_of(self.sources, sub) or "").startswith("override") and not by_override:
+                    data = _with_value(data, target, value)  # the command line's shorthand over a file's key
+                    continue
+                own = given if given in _choices(_type_hints(cls)[f.name]) else unless[0] if unless else None
+                if own is None:
+                    raise ConfigError(f"{_join(path, target)} = {given!r} contradicts {sub} = {value!r}; remove one",
+                                      key=_join(path, target), source=_source_of(self.sources, _join(path, target)))
+                data = {**data, f.name: own}  # the key wins; the shorthand follows it
         return data
 
-    def moved_key(self, path: str, key: str, new: str | tuple[str, ...], value: Any) -> ConfigError:
-        """An old key (class attribute ``MOVED_KEYS = {old: new or (new, ...)}``, keys relative to the section):
-        one line naming the new key(s) and how to write the value there."""
-        targets = [_join(path, n) for n in ((new,) if isinstance(new, str) else new)]
-        shown = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
-        fix = " or ".join(f"{t}={shown}" for t in targets)
-        return self.error(_join(path, key), lambda k, at: (
-            f"'{k}'{at} is an old key: it is now {' or '.join(targets)} (options belong to the implementation that "
-            f"reads them; flowcredit train --help-config lists them); write {fix}"
-        ))
+    def value(self, v: Any, tp: Any, path: str) -> Any:
+        """A validated value with its sections built as dataclasses."""
+        arms = typing.get_args(tp) if _is_union(tp) else (tp,)
+        for a in arms:
+            origin, args = typing.get_origin(a), typing.get_args(a)
+            if isinstance(v, dict) and dataclasses.is_dataclass(a) and isinstance(a, type):
+                return self.build(a, v, path)
+            if isinstance(v, list) and origin in (list, Sequence) and args:
+                return [self.value(x, args[0], _item(path, i)) for i, x in enumerate(v)]
+            if isinstance(v, dict) and origin in (dict, Mapping) and args:
+                return {k: self.value(x, args[1], _join(path, k)) for k, x in v.items()}
+        return v
 
-    def check_options(self, registry_key: str, name_field: str, options_field: str, fields: dict, kwargs: dict,
-                      path: str) -> None:
-        """A `{name, options}` section: the name must be registered and the options must build the named
-        implementation's options dataclass (config/registry.py). Skipped while the registry's package is not
-        imported (the component checks its options when it is built)."""
-        from .registry import REGISTRIES
-
-        reg = REGISTRIES.get(registry_key)
-        if reg is None:
-            return
-        name = kwargs[name_field] if name_field in kwargs else _default(fields[name_field])
-        spec = reg.get(name)
-        if spec is None:
-            if reg.allow_paths and ":" in str(name):
-                return  # a 'package.module:function' plugin: resolved (and its options checked) when built
-            what, choices = reg.what, reg.choices(name)
-            raise self.error(
-                _join(path, name_field), lambda key, at: f"'{key}'{at} is {name!r}, not a registered {what}; {choices}"
-            )
-        sub = _join(path, options_field)
-        self.labels[sub] = f"the options of {reg.what} {name!r}"
-        self.build(spec.options, kwargs.get(options_field) or {}, sub)
-
-    def build(self, cls: type[T], data: Mapping, path: str) -> T:
-        """Build dataclass `cls` from mapping `data` found at dotted `path`."""
+    def build(self, cls: type[T], data: dict, path: str) -> T:
         hints = _type_hints(cls)
-        fields = {f.name: f for f in _init_fields(cls)}
-        section = f"'{path}'" if path else "the top level"
-        if path in self.labels:
-            section += f" ({self.labels[path]})"
-
-        moved: Mapping[str, str | tuple[str, ...]] = getattr(cls, "MOVED_KEYS", {})
-        for key in data:
-            if key not in fields and key in moved:
-                raise self.moved_key(path, str(key), moved[key], data[key])
-            if key not in fields:
-                close = difflib.get_close_matches(str(key), list(fields), n=1)
-                hint = f"did you mean '{close[0]}'? " if close else ""
-                tail = "" if close else "; remove it or move it to the section it belongs to"
-                valid = f"valid keys in {section}: {', '.join(fields) or '(none)'}{tail}"
-                fix = f"{hint}{valid}"
-
-                def unknown(k: str, at: str, fix: str = fix) -> str:
-                    return f"unknown key '{k}'{at}; {fix}"
-
-                raise self.error(_join(path, key), unknown)
-
-        data = self.apply_links(cls, data, path)
-        kwargs = {}
-        for name, f in fields.items():
-            sub = _join(path, name)
-            if name in data:
-                kwargs[name] = self.convert(data[name], hints[name], sub)
-                bad = _out_of_range(f.metadata, kwargs[name], sub)
-                if bad is not None:
-                    raise _range_error(*bad, _source_of(self.sources, bad[0]))
-            elif not _has_default(f):
-                source = _source_of(self.sources, path)
-                raise ConfigError(
-                    f"missing required key '{sub}' (type {_type_name(hints[name])}) in {section}{_at(source)}; set it "
-                    f"in the YAML or with the override {sub}=VALUE",
-                    key=sub,
-                    source=source,
-                )
-
-        for name, f in fields.items():
+        kwargs = {name: self.value(v, hints[name], _join(path, name)) for name, v in data.items()}
+        for f in _init_fields(cls):
             if "options_of" in f.metadata:
-                self.check_options(f.metadata["options_of"], f.metadata.get("name_field", "name"), name, fields,
-                                   kwargs, path)
+                self.check_options(cls, f, kwargs, path)
         try:
             return cls(**kwargs)
         except ValueError as e:  # a cross-field check in __post_init__ (ConfigError included)
             where = f"section '{path}'" if path else f"config {cls.__name__}"
             origins = _sources_inside(self.sources, path)
             frm = f" (values from {', '.join(origins[:4])}{', ...' if len(origins) > 4 else ''})" if origins else ""
-            raise ConfigError(
-                f"invalid {where}{frm}: {e}; fix these values", key=path, source=", ".join(origins)
-            ) from e
+            raise ConfigError(f"invalid {where}{frm}: {e}; fix these values", key=path,
+                              source=", ".join(origins)) from e
+
+    def check_options(self, cls: type, f: dataclasses.Field, kwargs: dict, path: str) -> None:
+        """A `{name, options}` section: the name must be registered and the options must build the named
+        implementation's options dataclass (config/registry.py). Skipped while the registry's package is not
+        imported (the component checks its options when it is built)."""
+        from .registry import REGISTRIES
+
+        reg = REGISTRIES.get(f.metadata["options_of"])
+        if reg is None:
+            return
+        name_field = f.metadata.get("name_field", "name")
+        name = kwargs.get(name_field, _default(next(g for g in _init_fields(cls) if g.name == name_field)))
+        spec = reg.get(name)
+        if spec is None:
+            if reg.allow_paths and ":" in str(name):
+                return  # a 'package.module:function' plugin: resolved (and its options checked) when built
+            raise self.error(_join(path, name_field), f"is {name!r}, not a registered {reg.what}; {reg.choices(name)}")
+        sub = _join(path, f.name)
+        self.labels[sub] = f"the options of {reg.what} {name!r}"
+        self.load(spec.options, kwargs.get(f.name) or {}, sub)
 
 
 def from_dict(cls: type[T], data: Mapping[str, Any] | None, *, source: SourceMap | str | None = None) -> T:
-    """Build the nested dataclass `cls` from a plain mapping, strictly.
+    """Build the nested dataclass `cls` from nested mappings (not modified; missing keys take the defaults).
 
-    Args:
-        cls: the root config dataclass.
-        data: nested mappings as read from YAML (missing keys take the dataclass defaults). Not modified.
-        source: where the values came from, for error messages: a map dotted key -> "file.yaml:LINE" /
-            "override 'a.b=c'" (the line map of `load_yaml`), or one string for all values.
-
-    Returns:
-        An instance of `cls`.
-
-    Raises:
-        ConfigError: unknown key (with a close-match suggestion), wrong type, value outside a Literal or outside
-            its declared range, two linked keys that contradict each other, missing required key, or a ValueError
-            raised by a ``__post_init__`` (re-raised naming the section).
+    `source` says where the values came from: a map dotted key -> "file.yaml:LINE" / "override 'a.b=c'" (the line
+    map of `load_yaml`), or one string for all values. ConfigError: an unknown key (with a suggestion, or the new
+    place of an old key), a wrong type, a value outside a Literal or its range, a missing required key, two linked
+    keys that contradict each other, or a ``__post_init__`` ValueError (re-raised naming the section).
     """
     if not (dataclasses.is_dataclass(cls) and isinstance(cls, type)):
         raise TypeError(f"from_dict needs a dataclass type, got {cls!r}")
-    sources: SourceMap = {"": source} if isinstance(source, str) else (source or {})
-    builder = _Builder(sources)
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        got = _describe_value(data)
-        raise builder.error("", lambda key, at: f"the config{at} must be a mapping of keys, got {got}")
-    return builder.build(cls, data, "")
+    return _Builder({"": source} if isinstance(source, str) else (source or {})).load(cls, data, "")
 
 
 def build_options(cls: type[T], data: Mapping[str, Any] | None, path: str, *, source: str | None = None,
                   label: str | None = None) -> T:
     """An options dataclass found at dotted `path` (e.g. "credit.options"), built as strictly as `from_dict` builds a
     config; every message names ``path.KEY`` (and `source` when given; `label` says whose options they are)."""
-    builder = _Builder({"": source} if source else {})
-    if label:
-        builder.labels[path] = label
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        raise builder.wrong_type(path, data, cls)
-    return builder.build(cls, data, path)
+    return _Builder({"": source} if source else {}, {path: label} if label else None).load(cls, data, path)

@@ -19,10 +19,11 @@ the anchor) stays a common field here. The schema is owned by `config` (which im
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .ranges import check_ranges
+from .build import check_ranges
+from .fields import _h
 from .registry import options_field
 
 
@@ -48,46 +49,20 @@ class CreditCfg:
         "adae_norm": ("options.adae_norm", "anchor_options.adae_norm"),
     }
 
-    name: str = field(
-        default="flow_grpo",
-        metadata={"help": "Credit method (registry flowcredit.credit.registry: flow_grpo, stepwise, vgpo; see "
-                  "--help-config) or a 'package.module:function' path to a function (inp, opts, cfg) -> "
-                  "CreditOutput."},
-    )
-    options: dict[str, Any] = options_field(
-        "credit", "Options of the chosen credit method, checked against its own options dataclass (listed by "
-        "--help-config), e.g. {std_scope: group} for flow_grpo, {norm: per_step} for stepwise."
-    )
-    eps: float = field(
-        default=1e-4,
-        metadata={"help": "ε added to every standard deviation before dividing (Flow-GRPO code uses 1e-4).", "gt": 0},
-    )
-    adv_clip: float | None = field(
-        default=5.0,
-        metadata={
-            "help": "Final advantages are clipped to ±adv_clip (Flow-GRPO adv_clip_max = 5); None disables.",
-            "gt": 0,
-        },
-    )
-    mask_stats: bool = field(
-        default=True,
-        metadata={
-            "help": "Compute normalization statistics (stepwise mean/std over steps, the anchor's abs_share) only "
-            "over the steps kept by step_mask, i.e. the advantages the loss actually sees."
-        },
-    )
-    anchor: str = field(
-        default="none",
-        metadata={
-            "help": "Compose an absolute anchor on top of the (relative) estimator: 'adae' = Â = ω·(A_rel + "
-            "k·Q·1[j<K]) with Q, ω from the instant rewards (or step_rewards[:, 1:]); 'none'. 'vgpo' already "
-            "includes it."
-        },
-    )
-    anchor_options: dict[str, Any] = options_field(
-        "credit_anchor", "Options of the anchor (adae: VGPO's TCRM + ADAE options, e.g. {adae_k: 0.1}).",
-        name_field="anchor",
-    )
+    name: str = _h("flow_grpo", "Credit method (registry flowcredit.credit.registry: flow_grpo, stepwise, vgpo; see "
+        "--help-config) or a 'package.module:function' path to a function (inp, opts, cfg) -> CreditOutput.")
+    options: dict[str, Any] = options_field("credit", "Options of the chosen credit method, checked against its own "
+        "options dataclass (listed by --help-config), e.g. {std_scope: group} for flow_grpo, {norm: per_step} for "
+        "stepwise.")
+    eps: float = _h(1e-4, "ε added to every standard deviation before dividing (Flow-GRPO code uses 1e-4).", gt=0)
+    adv_clip: float | None = _h(5.0, "Final advantages are clipped to ±adv_clip (Flow-GRPO adv_clip_max = 5); None "
+        "disables.", gt=0)
+    mask_stats: bool = _h(True, "Compute normalization statistics (stepwise mean/std over steps, the anchor's "
+        "abs_share) only over the steps kept by step_mask, i.e. the advantages the loss actually sees.")
+    anchor: str = _h("none", "Compose an absolute anchor on top of the (relative) estimator: 'adae' = Â = ω·(A_rel + "
+        "k·Q·1[j<K]) with Q, ω from the instant rewards (or step_rewards[:, 1:]); 'none'. 'vgpo' already includes it.")
+    anchor_options: dict[str, Any] = options_field("credit_anchor", "Options of the anchor (adae: VGPO's TCRM + ADAE "
+        "options, e.g. {adae_k: 0.1}).", name_field="anchor")
 
     def __post_init__(self) -> None:
         self.validate()

@@ -1,15 +1,17 @@
-"""`_h`: a config field with its help sentence and numeric range, shared by the schema modules."""
+"""`_h`: a config field with its help sentence and metadata, shared by the schema modules."""
 
 from __future__ import annotations
 
 from dataclasses import field
+from typing import Any
 
 
-def _h(default, text: str, *, ge=None, gt=None, le=None, lt=None, **kw):
-    """A field with a help sentence and, for numbers, its allowed range (>= ge, > gt, <= le, < lt; None = unbounded).
+def _h(default: Any, text: str, **metadata: Any) -> Any:
+    """A field with a help sentence; `default` may be a class (dict, list, a section), the default's factory.
 
-    The range is checked by the loader (config/load.py) for every value a YAML file or an override sets, shown by
-    `flowcredit train --help-config`, and also holds for each item of a list or value of a mapping of numbers.
+    `metadata` holds the field's numeric range (``ge``, ``gt``, ``le``, ``lt``: >=, >, <=, <), checked for every
+    value a file or an override sets (each item of a list, each value of a mapping) and shown by --help-config, or a
+    link (``sets=``, ``unless=``; config/build.py).
     """
-    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
-    return field(default=default, metadata={"help": text, **bounds}, **kw)
+    return field(**{"default_factory" if isinstance(default, type) else "default": default},
+                 metadata={"help": text, **metadata})

@@ -23,13 +23,7 @@ class ConfigError(ValueError):
     def __init__(self, message: str, *, key: str | None = None, source: str | None = None):
         # One line, always: messages may embed user text or a __post_init__ message with newlines.
         super().__init__(re.sub(r"\s*[\r\n]+\s*", " ", message).strip())
-        self.key = key
-        self.source = source
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Dotted keys and sources
-# ----------------------------------------------------------------------------------------------------------------
+        self.key, self.source = key, source
 
 
 def _join(path: str, key: Any) -> str:
@@ -42,43 +36,28 @@ def _item(path: str, index: int) -> str:
     return f"{path}[{index}]"
 
 
-def _ancestors(path: str) -> list[str]:
-    """The path and its ancestors, nearest first: "a.b[1].c" -> ["a.b[1].c", "a.b[1]", "a.b", "a", ""]."""
-    out = [path]
-    while path:
-        cut = max(path.rfind("."), path.rfind("["))
-        path = path[:cut] if cut > 0 else ""
-        out.append(path)
-    return out
-
-
 def _is_under(path: str, prefix: str) -> bool:
     """True if `path` is `prefix` or lies inside it."""
-    if not prefix:
-        return True
-    return path == prefix or path.startswith(prefix + ".") or path.startswith(prefix + "[")
+    return not prefix or path == prefix or path.startswith((prefix + ".", prefix + "["))
 
 
 def _source_of(sources: SourceMap, path: str) -> str | None:
     """Where the value at `path` came from: its own entry, else one inside it, else the enclosing section's."""
     if path in sources:
         return sources[path]
-    for key, value in sources.items():
-        if key and _is_under(key, path):
-            return value
-    for p in _ancestors(path):
-        if p in sources:
-            return sources[p]
-    return None
+    inside = next((v for k, v in sources.items() if k and _is_under(k, path)), None)
+    while inside is None and path:
+        cut = max(path.rfind("."), path.rfind("["))
+        path = path[:cut] if cut > 0 else ""
+        inside = sources.get(path)
+    return inside if inside is not None else sources.get("")
 
 
 def _sources_inside(sources: SourceMap, path: str) -> list[str]:
     """Every distinct source of values inside a section (for errors about the section as a whole)."""
     found = [v for k, v in sources.items() if k and _is_under(k, path)]
-    if not found:
-        own = _source_of(sources, path)
-        return [own] if own else []
-    return list(dict.fromkeys(found))
+    own = _source_of(sources, path)
+    return list(dict.fromkeys(found)) if found else [own] if own else []
 
 
 def _at(source: str | None) -> str:

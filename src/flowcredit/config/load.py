@@ -1,50 +1,26 @@
-"""YAML presets + dotlist overrides -> typed, nested dataclasses (STYLE.md R3).
+"""YAML presets + dotlist overrides -> typed, nested dataclasses (STYLE.md R3); the front door of this package.
 
-The schema is plain ``@dataclass``es whose fields carry ``metadata={"help": "..."}``. This package is the generic
-machinery around it and knows nothing about the project's schema; this module is its front door:
+The schema is plain ``@dataclass``es whose fields carry ``metadata={"help": "...", "ge": 0, ...}`` (schema.py);
+pydantic v2 validates them (build.py). Our own code is only what pydantic lacks:
 
-* ``load_yaml(path)`` (files.py) reads a YAML file and records the line of every key, so errors can say
-  ``file.yaml:LINE``. A file may start from another one with ``base: other.yaml`` (deep merge, lists are replaced).
-* ``apply_overrides(data, ["sampler.noise_level=0.5", ...])`` (overrides.py) applies command-line dotlist overrides;
-  ``load_config`` reads ``SECTION=NAME`` as ``SECTION.name=NAME`` for a top-level section with a ``name`` field
-  (``objective=awm``).
-* ``from_dict(cls, data)`` (build.py) builds the dataclasses strictly: unknown keys, wrong types and values outside a
-  ``Literal`` are errors that name the key, where it came from and how to fix it. This is what prevents the
-  flow_grpo "dead key" bug (STYLE.md §4.2): a key the code never reads can't be set.
-* ``load_config(cls, "tiny", overrides)`` does all three; ``to_dict``/``dump_yaml`` write the fully resolved config
-  back (it loads again to an equal object); ``describe(cls)`` is the ``--help-config`` listing.
+* ``load_yaml(path)`` (files.py) reads a YAML file with the line of every key, so errors say ``file.yaml:LINE``; a
+  file may start from another with ``base: other.yaml`` (deep merge, lists are replaced).
+* ``apply_overrides(data, ["sampler.noise_level=0.5", ...])`` (overrides.py) applies ``key=value`` overrides;
+  ``load_config`` reads ``SECTION=NAME`` as ``SECTION.name=NAME`` for a section with a ``name`` field.
+* ``from_dict(cls, data)`` (build.py) validates and builds: an unknown key, a wrong type, a value outside a
+  ``Literal`` or its range is one ``ConfigError`` line naming the key, where it was set and the fix, with a "did you
+  mean" for typos. This is what prevents the flow_grpo "dead key" bug (STYLE.md §4.2)::
 
-Helpers: keys.py (dotted keys, source maps, ``ConfigError``), annotations.py (field types and their names in
-messages), ranges.py (declared numeric ranges). Libraries weighed for build.py and not used (each
-would wrap, not replace, this code): dacite reports an unknown key without its section and keeps an int in a float
-field; pydantic reads the metadata ranges and locates errors, but its lax mode turns "3" into 3 and "yes" into true
-(rules below reject both), its strict mode refuses mappings for dataclass fields, and it would be a new dependency.
-
-Field metadata the loader reads besides ``help``:
-
-* ranges: ``ge``, ``gt``, ``le``, ``lt`` (>=, >, <=, <) bound a number, each item of a list of numbers, or each
-  value of a mapping of numbers; null passes (an ``Optional`` field is checked when set). Every value read is
-  checked right after its type, before any ``__post_init__`` runs, so cross-field checks may assume ranges hold::
-
-      ConfigError: run.iterations = -5 (override 'run.iterations=-5') must be >= 0
-
-  ``check_ranges(obj)`` runs the same check on an object built in code.
-* links: ``sets="section.key"`` (relative to the field's dataclass) makes the field a shorthand: its value is the
-  default of that key, except for the values in ``unless=(...)``; when both are set, the explicit key wins and the
-  shorthand follows it (unless only the shorthand came from the command line; build.py ``apply_links``). This is
-  how ``method`` picks ``credit.name``.
-
-Every problem is raised as a one-line ``ConfigError``. Example::
-
-    >>> cfg = load_config(TrainCfg, "tiny", ["sampler.noise_levle=0.5"], preset_dirs=[configs_dir])
     ConfigError: unknown key 'sampler.noise_levle' at override 'sampler.noise_levle=0.5'; did you mean
     'noise_level'? valid keys in 'sampler': noise_level, num_steps
 
-Type rules: ``int`` -> ``float`` is accepted, and so is a string a float parses (YAML 1.1 reads ``1e-4`` as a
-string); ``bool`` accepts only ``true``/``false`` (not 0/1 or ``yes``-strings); ``int`` never accepts floats or
-strings; ``str`` never accepts numbers (quote them); ``None`` only where the type is ``Optional``. Supported types:
-``bool, int, float, str, pathlib.Path, Any, Literal[...], Optional/Union, list[T], tuple[T, ...], tuple[A, B],
-dict[K, V]`` and nested dataclasses (also inside lists and dicts).
+* ``load_config(cls, "tiny", overrides)`` does all three; ``to_dict``/``dump_yaml`` write the resolved config back
+  (it loads again to an equal object); ``describe(cls)`` is the ``--help-config`` listing.
+
+Field metadata besides ``help``: ranges ``ge``, ``gt``, ``le``, ``lt`` bound a number, each item of a list or each
+value of a mapping (checked before any ``__post_init__`` runs, so cross-field checks may assume them; ``check_ranges``
+checks an object built in code); ``sets="section.key"`` with ``unless=(...)`` makes a field a shorthand for another
+key (``method`` for ``credit.name``; build.py ``apply_links``); ``options_of="registry"`` (registry.py).
 """
 
 from __future__ import annotations
@@ -54,107 +30,58 @@ import dataclasses
 import os
 import sys
 import typing
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 
+from . import files
 from .annotations import _default, _has_default, _init_fields, _is_union, _type_hints, _type_name
-from .build import from_dict
-from .files import (
-    END_LINE,
-    END_NOTE,
-    YAML_VALUE_ERRORS,
-    _looks_like_path,
-    _preset_files,
-    _unknown_preset,
-    list_presets,
-    load_yaml,
-)
-from .keys import ConfigError, _is_under, _join
-from .keys import _display_path as _display
+from .build import check_ranges, from_dict, range_text
+from .files import list_presets, load_yaml
+from .keys import ConfigError, _display_path, _is_under, _join
 from .overrides import _apply_overrides, apply_overrides
-from .ranges import check_ranges, range_text
 
-__all__ = [
-    "ConfigError",
-    "apply_overrides",
-    "check_ranges",
-    "describe",
-    "dump_yaml",
-    "fields_without_help",
-    "from_dict",
-    "list_presets",
-    "load_config",
-    "load_yaml",
-    "range_text",
-    "to_dict",
-]
+__all__ = ["ConfigError", "apply_overrides", "check_ranges", "describe", "dump_yaml", "fields_without_help",
+           "from_dict", "list_presets", "load_config", "load_yaml", "range_text", "to_dict"]
 
 T = TypeVar("T")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# load_config: the one call the CLI and tests use
-# ----------------------------------------------------------------------------------------------------------------
 
+def load_config(cls: type[T], path_or_name: str | os.PathLike | None = None, overrides: Iterable[str] = (),
+                preset_dirs: Iterable[str | os.PathLike] = (), migrate: bool = False) -> T:
+    """YAML file or preset (if any) + ``key=value`` overrides -> validated dataclass `cls`.
 
-def load_config(
-    cls: type[T],
-    path_or_name: str | os.PathLike | None = None,
-    overrides: Iterable[str] = (),
-    preset_dirs: Iterable[str | os.PathLike] = (),
-    migrate: bool = False,
-) -> T:
-    """YAML file or preset (if any) + dotlist overrides -> validated dataclass `cls`.
-
-    Args:
-        cls: the root config dataclass.
-        path_or_name: a YAML path, or a bare preset name looked up as ``<dir>/<name>.yaml`` in `preset_dirs`;
-            None means "dataclass defaults".
-        overrides: ``key=value`` strings applied after the file (see `apply_overrides`).
-        preset_dirs: directories of named presets, searched in order.
-        migrate: the file is a resolved config written by an older version (a run's config.yaml): move its old
-            flat keys to their new places first (`registry.migrate_moved_keys`; one stderr note per key).
-
-    Example::
-
-        cfg = load_config(TrainCfg, "tiny", ["sampler.noise_level=0.5"], preset_dirs=["configs"])
-
-    Raises:
-        ConfigError: see `load_yaml`, `apply_overrides` and `from_dict`; an unknown preset lists the available
-            ones with a suggestion.
+    `path_or_name` is a YAML path, or a preset name looked up as ``<dir>/<name>.yaml`` in `preset_dirs` (None: the
+    defaults). `migrate`: the file is a resolved config written by an older version (a run's config.yaml): its old
+    flat keys move to their new places first (`registry.migrate_moved_keys`; one stderr note per key).
+    ConfigError: see `load_yaml`, `apply_overrides` and `from_dict`; an unknown preset lists the available ones.
     """
     preset_dirs = list(preset_dirs)
     data: dict[str, Any] = {}
     sources: dict[str, str] = {}
     if path_or_name is not None:
-        if _looks_like_path(path_or_name) or Path(path_or_name).is_file():
-            path = Path(path_or_name)
-            if not path.is_file():
-                raise ConfigError(
-                    f"config file '{os.fspath(path_or_name)}' not found; give an existing .yaml path"
-                    + (f" or a preset name ({', '.join(list_presets(preset_dirs))})" if preset_dirs else ""),
-                    source=os.fspath(path_or_name),
-                )
-        else:
-            name = os.fspath(path_or_name)
-            found = _preset_files(preset_dirs).get(name)
+        path = Path(path_or_name)
+        if not (files._looks_like_path(path_or_name) or path.is_file()):
+            found = files._preset_files(preset_dirs).get(os.fspath(path_or_name))
             if found is None:
-                raise _unknown_preset(name, preset_dirs)
+                raise files._unknown_preset(os.fspath(path_or_name), preset_dirs)
             path = found
+        elif not path.is_file():
+            raise ConfigError(f"config file '{os.fspath(path_or_name)}' not found; give an existing .yaml path"
+                              + (f" or a preset name ({', '.join(list_presets(preset_dirs))})" if preset_dirs else ""),
+                              source=os.fspath(path_or_name))
         data, sources = load_yaml(path, preset_dirs=preset_dirs)
         if migrate:
             from .registry import migrate_moved_keys
 
             data, notes = migrate_moved_keys(cls, data)
             if notes:
-                print(f"note: {_display(path)} was written by an older flowcredit; read with {'; '.join(notes)}",
+                print(f"note: {_display_path(path)} was written by an older flowcredit; read with {'; '.join(notes)}",
                       file=sys.stderr)
-
-    overrides = _name_shorthand(cls, list(overrides))
-    data = _drop_replaced_options(data, overrides)
+    data, overrides = _section_names(cls, data, list(overrides))
     data, override_sources = _apply_overrides(data, overrides)
     for key in override_sources:  # an override replaces the whole subtree the file had set
         for k in [k for k in sources if k and _is_under(k, key)]:
@@ -168,54 +95,31 @@ def load_config(
     return from_dict(cls, data, source=sources)
 
 
-def _name_shorthand(cls: type, overrides: list[str]) -> list[str]:
+def _section_names(cls: type, data: dict[str, Any], overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
     """`SECTION=NAME` for a top-level section whose dataclass has a `name` field means `SECTION.name=NAME`
-    (`objective=awm`, `sampler=ddim_sde`, `reward=clip`: the registry-backed sections), so the short form picks an
-    implementation the way `SECTION.name=` does, dropping the file's options of the old one. A mapping value
-    (`objective={name: awm, options: {...}}`) is left as it is."""
-    hints = _type_hints(cls)
-    out = []
+    (`objective=awm`, `sampler=ddim_sde`; a mapping value is left as it is). A `SECTION.name=X` naming another
+    implementation than the file's drops the file's SECTION.options: they are the old implementation's (e.g.
+    `model.name=sd3` on a tiny preset); `SECTION.options.*` overrides then apply to the new one."""
+    out, hints = [], _type_hints(cls)
     for o in overrides:
         key, sep, raw = o.partition("=") if isinstance(o, str) else ("", "", "")
-        tp = hints.get(key.strip()) if sep and "." not in key else None
+        key = key.strip()
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except (yaml.YAMLError, *files.YAML_VALUE_ERRORS):
+            out.append(o)  # apply_overrides reports it
+            continue
+        tp = hints.get(key) if sep and "." not in key else None
         if tp is not None and dataclasses.is_dataclass(tp) and "name" in {f.name for f in dataclasses.fields(tp)}:
-            try:
-                value = yaml.safe_load(raw) if raw.strip() else None
-            except (yaml.YAMLError, *YAML_VALUE_ERRORS):
-                value = None  # apply_overrides reports it
-            if isinstance(value, str):
-                o = f"{key.strip()}.name={raw}"
-        out.append(o)
-    return out
-
-
-def _drop_replaced_options(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """A `SECTION.name=X` override naming another implementation than the file's drops the file's SECTION.options:
-    they are the options of the file's implementation (e.g. `model.name=sd3` on a tiny preset, `objective.name=awm`
-    on tiny_nft; the run's config.yaml shows what was used); `SECTION.options.*` overrides then apply to the new
-    one."""
-    pairs = [(t.split("=", 1)[0].strip(), t.split("=", 1)[1]) for t in overrides if isinstance(t, str) and "=" in t]
-    out = data
-    for key, raw in pairs:
+            key, o = (f"{key}.name", f"{key}.name={raw}") if isinstance(value, str) else (key, o)
         section, _, leaf = key.partition(".")
         node = data.get(section)
-        if leaf != "name" or not isinstance(node, dict) or not isinstance(node.get("options"), dict):
-            continue
-        try:
-            new = yaml.safe_load(raw) if raw.strip() else None
-        except (yaml.YAMLError, *YAML_VALUE_ERRORS):
-            continue  # apply_overrides reports it
-        if not node["options"] or new == node.get("name"):
-            continue
-        if out is data:
-            out = copy.deepcopy(data)
-        del out[section]["options"]
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Writing the resolved config back, and the help listing
-# ----------------------------------------------------------------------------------------------------------------
+        options = node.get("options") if isinstance(node, dict) else None
+        if sep and leaf == "name" and isinstance(node, dict) and isinstance(options, dict) and options \
+                and value != node.get("name"):
+            data = {**data, section: {k: v for k, v in node.items() if k != "options"}}
+        out.append(o)
+    return data, out
 
 
 def to_dict(obj: Any) -> Any:
@@ -229,9 +133,7 @@ def to_dict(obj: Any) -> Any:
         return {to_dict(k): to_dict(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    return copy.deepcopy(obj)
+    return str(obj) if isinstance(obj, Path) else copy.deepcopy(obj)
 
 
 def dump_yaml(obj: Any, path: str | os.PathLike | None = None) -> str:
@@ -241,73 +143,56 @@ def dump_yaml(obj: Any, path: str | os.PathLike | None = None) -> str:
     ``sets=``, e.g. ``method``) is left out: the key it sets (``credit.name``) says what ran, and sets it back.
     """
     name = type(obj).__name__
-    header = (f"# Fully resolved {name} written by flowcredit.config.dump_yaml; load with load_config({name}, path); "
-              f"{END_NOTE}\n")
     data = to_dict(obj)
-    if dataclasses.is_dataclass(obj):
-        for f in dataclasses.fields(obj):
-            if f.metadata.get("sets") and isinstance(data, dict):
-                data.pop(f.name, None)
-    text = header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=119) + END_LINE + "\n"
+    for f in dataclasses.fields(obj) if isinstance(data, dict) else ():
+        if f.metadata.get("sets"):
+            data.pop(f.name, None)
+    text = (f"# Fully resolved {name} written by flowcredit.config.dump_yaml; load with load_config({name}, path); "
+            f"{files.END_NOTE}\n" + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=119)
+            + files.END_LINE + "\n")
     if path is not None:
         Path(path).write_text(text, encoding="utf-8")
     return text
 
 
-def _format_default(value: Any) -> str:
-    text = yaml.safe_dump(to_dict(value), default_flow_style=True, sort_keys=False, width=10**6).strip()
-    text = text.removesuffix("...").strip()
-    return text if len(text) <= 70 else text[:67] + "..."
+def _flow(value: Any) -> str:
+    """`value` as one line of YAML."""
+    return yaml.safe_dump(to_dict(value), default_flow_style=True, sort_keys=False, width=10**6).strip().removesuffix(
+        "...").strip()
 
 
-def _item_dataclass(tp: Any) -> type | None:
-    """The dataclass inside list[D] / tuple[D, ...] / dict[str, D] / Optional[...] annotations, if any."""
-    if _is_union(tp):
-        for a in typing.get_args(tp):
-            found = _item_dataclass(a)
-            if found is not None:
-                return found
-        return None
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    item = args[0] if origin in (list, tuple, Sequence) and args else None
-    if origin in (dict, Mapping) and len(args) == 2:
-        item = args[1]
-    if dataclasses.is_dataclass(item) and isinstance(item, type):
-        return item
-    return None
+def _field_lines(key: str, f: dataclasses.Field, tp: Any, indent: str = "") -> list[str]:
+    """--help-config: ``key: type = default, range R`` (or ``[section X]``), then the help sentence."""
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        line = f"{key}:  [section {tp.__name__}]"
+    else:
+        text = _flow(_default(f)) if _has_default(f) else ""
+        default = f"= {text if len(text) <= 70 else text[:67] + '...'}" if _has_default(f) else "(required)"
+        rng = range_text(f.metadata)
+        line = f"{key}: {_type_name(tp)} {default}" + (f", range {rng}" if rng else "")
+    return [indent + line, f"{indent}    {f.metadata.get('help', '(no help text)')}"]
 
 
 def _walk_fields(cls: type, path: str) -> Iterable[tuple[str, dataclasses.Field, Any]]:
-    """(dotted key, field, type) for every field, sections before their contents."""
-    hints = _type_hints(cls)
+    """(dotted key, field, type) for every field, sections before their contents; the fields of the sections in a
+    list are shown as ``key[].field``, in a dict as ``key.<name>.field``."""
     for f in _init_fields(cls):
-        sub = _join(path, f.name)
-        tp = hints[f.name]
+        sub, tp = _join(path, f.name), _type_hints(cls)[f.name]
         yield sub, f, tp
-        if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-            yield from _walk_fields(tp, sub)
-        else:
-            item = _item_dataclass(tp)
-            if item is not None:
-                origin = typing.get_origin(tp)
-                yield from _walk_fields(item, sub + (".<name>" if origin in (dict, Mapping) else "[]"))
+        for arm in typing.get_args(tp) if _is_union(tp) else (tp,):
+            origin, args = typing.get_origin(arm), typing.get_args(arm)
+            inner, suffix = (args[-1], ".<name>") if origin in (dict, Mapping) else (args[0] if args else None, "[]")
+            if dataclasses.is_dataclass(arm) and isinstance(arm, type):
+                yield from _walk_fields(arm, sub)
+            elif origin is not None and dataclasses.is_dataclass(inner) and isinstance(inner, type):
+                yield from _walk_fields(inner, sub + suffix)
 
 
 def describe(cls: type) -> str:
-    """Help listing of every dotted key of a config class: type, default, declared range and help text.
-
-    Items of lists of sections are shown as ``key[].field``; values of dicts of sections as ``key.<name>.field``.
-    """
+    """Help listing of every dotted key of a config class: type, default, declared range and help text."""
     out = [f"{cls.__name__}: set keys in a YAML file or as key=value overrides (e.g. sampler.noise_level=0.5)", ""]
     for key, f, tp in _walk_fields(cls, ""):
-        help_text = f.metadata.get("help", "(no help text)")
-        if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-            out.append(f"{key}:  [section {tp.__name__}]")
-        else:
-            default = f"= {_format_default(_default(f))}" if _has_default(f) else "(required)"
-            rng = range_text(f.metadata)
-            out.append(f"{key}: {_type_name(tp)} {default}" + (f", range {rng}" if rng else ""))
-        out.append(f"    {help_text}")
+        out += _field_lines(key, f, tp)
     return "\n".join(out) + "\n"
 
 

@@ -7,15 +7,12 @@ A component package owns one registry and registers each built-in with one line:
 
 and the schema's `{name, options}` sections point at it from the field metadata of `options`
 (``options_of="credit"``). The loader (config/build.py) then checks the name against the registry and the options
-against the named implementation's dataclass with the rules and messages of every other key: unknown keys with a
-suggestion, types, `Literal` choices and declared ranges, each error naming the key (``credit.options.std_scope``),
-where it was set (file:line or the override) and the fix. `flowcredit train --help-config` lists every registered
-implementation with its options (`describe_registries`).
+against the named implementation's dataclass with the rules and messages of every other key. `flowcredit train
+--help-config` lists every registered implementation with its options (`describe_registries`).
 
 The class lives in `config` so that config can check options while importing no component: components import
 config, never the reverse. A registry is known to the loader once its package has been imported (the trainer and the
-CLI import all of them); a config loaded before that is checked when the component is built (`Registry.options`: the
-same messages, without the source).
+CLI import all of them); a config loaded before that is checked when the component is built (`Registry.options`).
 """
 
 from __future__ import annotations
@@ -26,9 +23,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .annotations import _default, _has_default, _init_fields, _type_hints, _type_name
+from .annotations import _default, _has_default, _init_fields, _type_hints
 from .build import build_options
-from .ranges import range_text
+from .keys import ConfigError
 
 
 @dataclass(frozen=True)
@@ -38,17 +35,10 @@ class NoOptions:
 
 @dataclass(frozen=True)
 class Spec:
-    """One registered implementation.
-
-    Attributes:
-        name: the config name.
-        fn: the function / builder / class the component calls.
-        options: its options dataclass (every field has a default, a help text and, for numbers, a range).
-        requires: what the trainer must compute for it (credit: "step_rewards", "instant_rewards"; objective:
-            "log_probs").
-        help: one sentence for --help-config.
-        extra: registry-specific facts (e.g. a sampler's default noise level).
-    """
+    """One registered implementation: its config name, the function / builder / class the component calls, its
+    options dataclass (every field with a default, a help text and, for numbers, a range), what the trainer must
+    compute for it (credit: "step_rewards", "instant_rewards"; objective: "log_probs"), one sentence for
+    --help-config and registry-specific facts (e.g. a sampler's default noise level)."""
 
     name: str
     fn: Any
@@ -64,12 +54,9 @@ REGISTRIES: dict[str, Registry] = {}  # registry key → registry, filled as com
 class Registry:
     """name → Spec for one kind of component (credit methods, objectives, samplers, model families, ...).
 
-    Args:
-        key: the registry's name, used by the schema's ``options_of`` metadata ("credit", "sampler", ...).
-        what: what one entry is, for messages ("credit method").
-        name_key / options_key: the config keys of the name and the options (default ``<key>.name`` /
-            ``<key>.options``), for messages.
-        allow_paths: a ``"package.module:function"`` name is accepted besides the registered names (plugins).
+    `key` is the registry's name in the schema's ``options_of`` metadata ("credit", "sampler", ...), `what` what one
+    entry is ("credit method"), `name_key` / `options_key` the config keys of the name and the options (default
+    ``<key>.name`` / ``<key>.options``); with `allow_paths` a ``"package.module:function"`` name is accepted too.
     """
 
     def __init__(self, key: str, what: str, *, name_key: str | None = None, options_key: str | None = None,
@@ -80,15 +67,10 @@ class Registry:
         self._specs: dict[str, Spec] = {}
         REGISTRIES[key] = self
 
-    # ------------------------------------------------------------------------------------------------ declaring
     def register(self, name: str, fn: Any, options: type = NoOptions, *, requires: tuple[str, ...] = (),
                  help: str = "", replace: bool = False, **extra: Any) -> Spec:
-        """Declare implementation `name`; `options` is a dataclass whose fields all have defaults.
-
-        Raises:
-            TypeError: `options` is not a dataclass, or a field has no default.
-            ValueError: `name` is taken (pass replace=True to override on purpose).
-        """
+        """Declare implementation `name`; `options` is a dataclass whose fields all have defaults (else TypeError);
+        ValueError if `name` is taken (pass replace=True to override on purpose)."""
         if not (dataclasses.is_dataclass(options) and isinstance(options, type)):
             raise TypeError(f"{self.what} {name!r}: options must be a dataclass, got {options!r}")
         missing = [f.name for f in _init_fields(options) if not _has_default(f)]
@@ -96,11 +78,9 @@ class Registry:
             raise TypeError(f"{self.what} {name!r}: every option needs a default; {', '.join(missing)} has none")
         if name in self._specs and not replace:
             raise ValueError(f"{self.what} {name!r} is already registered; register under another name")
-        spec = Spec(name, fn, options, tuple(requires), help, dict(extra))
-        self._specs[name] = spec
-        return spec
+        self._specs[name] = Spec(name, fn, options, tuple(requires), help, dict(extra))
+        return self._specs[name]
 
-    # ------------------------------------------------------------------------------------------------ looking up
     def names(self) -> list[str]:
         return list(self._specs)
 
@@ -119,9 +99,8 @@ class Registry:
     def choices(self, name: str) -> str:
         """"use one of a, b, c; did you mean 'b'?" for a name that is not registered."""
         close = difflib.get_close_matches(str(name), self.names(), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
         paths = " (or a 'package.module:function' path)" if self.allow_paths else ""
-        return f"use one of {', '.join(self.names())}{paths}{hint}"
+        return f"use one of {', '.join(self.names())}{paths}" + (f"; did you mean {close[0]!r}?" if close else "")
 
     def unknown(self, name: str) -> str:
         """The message for a name that is not registered: the valid names and the closest one."""
@@ -139,50 +118,41 @@ class Registry:
         return next((s for s in self._specs.values() if s.fn is fn), None)
 
     def options(self, name_or_spec: str | Spec, data: Mapping[str, Any] | None, *, source: str | None = None) -> Any:
-        """The options dataclass of an implementation built strictly from `data` (None = all defaults).
-
-        Raises:
-            ConfigError: an unknown option (with a suggestion), a wrong type or choice, a value out of range; the
-                message names ``<options_key>.KEY``.
-        """
+        """The options dataclass of an implementation built strictly from `data` (None = all defaults); ConfigError
+        (an unknown option with a suggestion, a wrong type or choice, a value out of range) naming
+        ``<options_key>.KEY``."""
         spec = self.spec(name_or_spec) if isinstance(name_or_spec, str) else name_or_spec
         if isinstance(data, spec.options):
             return data
         label = f"the options of {self.what} {spec.name!r}"
         return build_options(spec.options, data, self.options_key, source=source, label=label)
 
-    # ------------------------------------------------------------------------------------------------ help
     def describe(self) -> str:
         """--help-config: every registered implementation and its options (type, default, range, help)."""
+        from .load import _field_lines
+
         lines = [f"{self.name_key} choices ({self.what}s) and their {self.options_key}:"]
         for spec in self._specs.values():
             needs = f" [requires {', '.join(spec.requires)}]" if spec.requires else ""
             lines.append(f"  {self.name_key}={spec.name}: {spec.help}{needs}".rstrip())
-            lines.extend(describe_options(spec.options, self.options_key, indent="    "))
+            hints = _type_hints(spec.options)
+            for f in _init_fields(spec.options):
+                lines += _field_lines(f"{self.options_key}.{f.name}", f, hints[f.name], "    ")
+            lines += [] if _init_fields(spec.options) else ["    (no options)"]
         return "\n".join(lines)
-
-
-def describe_options(options: type, prefix: str, indent: str = "") -> list[str]:
-    """Help lines of an options dataclass: ``prefix.field: type = default, range ...`` then its help sentence."""
-    import yaml
-
-    if not _init_fields(options):
-        return [f"{indent}(no options)"]
-    hints = _type_hints(options)
-    out = []
-    for f in _init_fields(options):
-        default = yaml.safe_dump(_default(f), default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
-        rng = range_text(f.metadata)
-        rng = f", range {rng}" if rng else ""
-        out.append(f"{indent}{prefix}.{f.name}: {_type_name(hints[f.name])} = {default}{rng}")
-        if f.metadata.get("help"):
-            out.append(f"{indent}    {f.metadata['help']}")
-    return out
 
 
 def describe_registries() -> str:
     """--help-config: every imported registry's implementations and their options."""
     return "\n\n".join(r.describe() for r in REGISTRIES.values())
+
+
+def _spec_of(section: Mapping, f: dataclasses.Field | None, fields: Mapping[str, dataclasses.Field]) -> Spec | None:
+    """The registered implementation a `{name, options}` section's data names (None: not one, or not imported)."""
+    reg = REGISTRIES.get(f.metadata.get("options_of", "")) if f is not None else None
+    name_field = f.metadata.get("name_field", "name") if f is not None else "name"
+    name = section.get(name_field, _default(fields[name_field]) if name_field in fields else None)
+    return reg.get(name) if reg is not None and isinstance(name, str) else None
 
 
 def with_full_options(data: Any, cls: type) -> Any:
@@ -192,20 +162,14 @@ def with_full_options(data: Any, cls: type) -> Any:
     whose name it does not know, are left as they are."""
     if not isinstance(data, Mapping) or not (dataclasses.is_dataclass(cls) and isinstance(cls, type)):
         return data
-    out = dict(data)
-    hints = _type_hints(cls)
-    for f in _init_fields(cls):
-        if f.name not in out:
-            continue
-        key = f.metadata.get("options_of")
-        if key is None:
-            out[f.name] = with_full_options(out[f.name], hints[f.name])
-            continue
-        reg, name = REGISTRIES.get(key), out.get(f.metadata.get("name_field", "name"))
-        spec = reg.get(name) if reg is not None and isinstance(name, str) else None
-        if reg is not None and spec is not None and isinstance(out[f.name], Mapping):
-            built = reg.options(spec, out[f.name])
-            out[f.name] = {g.name: getattr(built, g.name) for g in _init_fields(spec.options)}
+    out, fields = dict(data), {f.name: f for f in _init_fields(cls)}
+    for name, f in fields.items():
+        spec = _spec_of(out, f, fields) if "options_of" in f.metadata else None
+        if name in out and "options_of" not in f.metadata:
+            out[name] = with_full_options(out[name], _type_hints(cls)[name])
+        elif name in out and spec is not None and isinstance(out[name], Mapping):
+            built = REGISTRIES[f.metadata["options_of"]].options(spec, out[name])
+            out[name] = {g.name: getattr(built, g.name) for g in _init_fields(spec.options)}
     return out
 
 
@@ -217,29 +181,20 @@ def migrate_moved_keys(cls: type, data: Any, path: str = "") -> tuple[Any, list[
     migrated: an old key there is an error naming the new one (config/build.py)."""
     if not isinstance(data, Mapping) or not (dataclasses.is_dataclass(cls) and isinstance(cls, type)):
         return data, []
-    out, notes = dict(data), []
-    hints = _type_hints(cls)
-    fields = {f.name: f for f in _init_fields(cls)}
+    out, notes, fields = dict(data), [], {f.name: f for f in _init_fields(cls)}
     moved: Mapping[str, str | tuple[str, ...]] = getattr(cls, "MOVED_KEYS", {})
     for old in [k for k in out if k in moved and k not in fields]:
-        value, placed = out.pop(old), None
-        new = moved[old]
-        targets: tuple[str, ...] = (new,) if isinstance(new, str) else new
-        for target in targets:
+        value, placed, new = out.pop(old), None, moved[old]
+        for target in (new,) if isinstance(new, str) else new:
             opt_field, _, key = target.partition(".")
-            f = fields.get(opt_field)
-            reg = REGISTRIES.get(f.metadata.get("options_of", "")) if f is not None else None
-            name_field = f.metadata.get("name_field", "name") if f is not None else "name"
-            name = out.get(name_field, _default(fields[name_field]) if name_field in fields else None)
-            spec = reg.get(name) if reg is not None and isinstance(name, str) else None
+            spec = _spec_of(out, fields.get(opt_field), fields)
             if spec is not None and key in {g.name for g in _init_fields(spec.options)}:
-                out[opt_field] = {**dict(out.get(opt_field) or {}), key: value}
-                placed = f"{path}{target}"
+                out[opt_field], placed = {**dict(out.get(opt_field) or {}), key: value}, f"{path}{target}"
                 break
         notes.append(f"{path}{old} → {placed}" if placed else f"{path}{old} dropped (not read by this config)")
     for name in fields:
-        if name in out and isinstance(out[name], Mapping):
-            out[name], sub = migrate_moved_keys(hints[name], out[name], f"{path}{name}.")
+        if isinstance(out.get(name), Mapping):
+            out[name], sub = migrate_moved_keys(_type_hints(cls)[name], out[name], f"{path}{name}.")
             notes += sub
     return out, notes
 
@@ -251,12 +206,9 @@ def options_field(registry_key: str, help: str, *, name_field: str = "name") -> 
 
 
 def import_plugins(modules: Any, source: str | None) -> None:
-    """Import the modules of ``run.plugins`` (each registers components when imported), with the current folder on
-    the import path as ``python -m`` has it. ConfigError (one line naming the key, where it was set and the fix) for
-    a value that is not a list of module names or a module that cannot be imported."""
-
-    from .keys import ConfigError
-
+    """Import the modules of ``run.plugins`` (each registers components when imported). ConfigError (one line naming
+    the key, where it was set and the fix) for a value that is not a list of module names or a module that cannot be
+    imported."""
     at = f" ({source})" if source else ""
     if not isinstance(modules, list) or not all(isinstance(m, str) and m for m in modules):
         raise ConfigError(f"run.plugins = {modules!r}{at} must be a list of module names, e.g. "

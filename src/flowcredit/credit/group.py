@@ -15,7 +15,7 @@ from typing import Literal
 
 from torch import Tensor
 
-from flowcredit.config.ranges import check_values
+from flowcredit.config.build import check_values
 from flowcredit.credit.base import (
     CreditCfg,
     CreditInput,

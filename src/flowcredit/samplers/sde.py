@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from ..config.ranges import check_values
+from ..config.build import check_values
 from ..config.registry import NoOptions, Registry
 from ..config.schema import SamplerParams as SamplerParams  # the config's sampler section IS the step parameters
 
