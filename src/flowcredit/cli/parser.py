@@ -109,8 +109,9 @@ def _add_eval(sub) -> None:
     e.add_argument(
         "--prompts",
         default=None,
-        help="shapes:test | shapes:test_unique | shapes:train | shapes:val | shapes:fit | file.jsonl | file.txt (plain prompts need a reward "
-        "that reads no metadata); default: an sd3/flux run's run.eval_prompts, else shapes:test",
+        help="shapes:test | shapes:test_unique | shapes:train | shapes:val | shapes:fit | file.jsonl | file.txt "
+        "(plain prompts need a reward that reads no metadata); default: an sd3/flux run's run.eval_prompts, "
+        "else shapes:test",
     )
     e.add_argument(
         "--reward",
