@@ -85,6 +85,17 @@ SETS: dict[str, dict[str, Any]] = {
         "flow_grpo": ["method=flow_grpo", "credit.options={}"],  # the preset's options are stepwise's
         "stepwise_t5_joint": [],
     }},
+    # Stepwise's own design choices on the grpo set's rollouts, paired against the paper's default (T′ = 5, plain
+    # gains, joint normalisation): T′ ∈ {1, 2, 3} (§6.2 / App. C.2), GAE over the gains and the EMA baseline (App. A)
+    "stepwise_variants": {"preset": "tiny_flow_grpo", "overrides": ["sampler.shared_noise=true"], "arms": {
+        "stepwise_t5_joint": [*STEPWISE_T5, "credit.options.norm=joint"],
+        "stepwise_t1_joint": [*STEPWISE_T1, "credit.options.norm=joint"],
+        "stepwise_t2_joint": ["method=stepwise", "estimate.substeps=2", "credit.options.norm=joint"],
+        "stepwise_t3_joint": ["method=stepwise", "estimate.substeps=3", "credit.options.norm=joint"],
+        "stepwise_t5_gae": [*STEPWISE_T5, "credit.options.norm=joint", "credit.options.use_gae=true",
+                            "credit.options.gae_gamma=1.0", "credit.options.gae_lambda=0.95"],
+        "stepwise_t5_ema": [*STEPWISE_T5, "credit.options.norm=joint", "credit.options.baseline=ema"],
+    }},
     # nft (tiny_nft: ODE rollouts, crn, 3 systematic times per sample), the credit_nft study's credit designs
     "nft": {"preset": "tiny_nft", "overrides": [], "arms": {
         "flow_grpo": [],
@@ -115,6 +126,7 @@ def load_cfg(preset: str, overrides: Sequence[str]):
 class Arm:
     name: str
     cfg: Any  # the arm's full TrainConfig (its credit and estimate sections are what differ)
+    credit_state: dict = dataclasses.field(default_factory=dict)  # carried across iterations (the EMA baseline)
 
 
 def build_arms(set_name: str, spec: dict[str, Any], base: list[str], only: Sequence[str] | None) -> list[Arm]:
@@ -243,7 +255,9 @@ def arm_gradients(tr, arms: list[Arm], it: int, check_zero: bool = False) -> Ite
             sec[f"estimates_{key[0]}_{key[1]}"] = time.perf_counter() - t0
         sr, inst, est_nfe, calls = cache[key]
         out = assign_credit(arm.cfg.credit, CreditInput(rewards=rewards, group_ids=gids, step_mask=traj.step_mask,
-                                                        step_rewards=sr, instant_rewards=inst))
+                                                        step_rewards=sr, instant_rewards=inst,
+                                                        state=arm.credit_state))
+        arm.credit_state = out.state
         advs.append(out.advantages.float())
         arm_stats.append({"est_nfe": est_nfe / B, "est_reward_calls": calls / B})
     adv = torch.stack(advs)  # (n_arms, B, T)

@@ -91,3 +91,45 @@ def test_rho_along_the_reference_counts_only_the_reference_direction(bench):
     blk = lambda x, y: x @ y.T  # noqa: E731
     assert bench.rho_along(blk(a, ref), blk(a, a), blk(ref, ref)) == pytest.approx(0.5)  # 1² / (1 · 2)
     assert bench.rho_along(blk(-a, ref), blk(a, a), blk(ref, ref)) == pytest.approx(-0.5)  # against it: negative
+
+
+def test_an_ema_arm_carries_its_baseline_to_the_next_iteration_as_the_trainer_does(bench, tmp_path):
+    """The EMA baseline (Stepwise App. A.1) is credit state: the benchmark's second iteration must use the baseline
+    the first one left, exactly as two `Trainer.train_step`s do."""
+    import tempfile
+    from pathlib import Path
+
+    from flowcredit.credit.stepwise import EMA_STATE_KEY
+    from flowcredit.trainer.loop import Trainer
+
+    spec = bench.SETS["stepwise_variants"]
+    base = [*bench.COMMON, *spec["overrides"], *SMALL, "estimate.substeps=2"]
+    arms = bench.build_arms("stepwise_variants", spec, base, ["stepwise_t5_ema"])
+    arms = [a for a in arms if a.name == "stepwise_t5_ema"]
+    for a in arms:  # T′ = 2 keeps the test fast; the state logic does not depend on T′
+        a.cfg.estimate.substeps = 2
+    tr, _ = bench.make_trainer(spec, base, "shipped", tmp_path)
+    tr.opt.zero_grad(set_to_none=True)
+    bench.arm_gradients(tr, arms, 1)
+    first = arms[0].credit_state[EMA_STATE_KEY].clone()
+    second_grad = bench.arm_gradients(tr, arms, 2).grads[0]
+    tr.close()
+    assert not torch.equal(arms[0].credit_state[EMA_STATE_KEY], first)  # updated again by iteration 2
+
+    cfg = bench.load_cfg(spec["preset"], [*base, *spec["arms"]["stepwise_t5_ema"]])
+    cfg.estimate.substeps = 2
+    with tempfile.TemporaryDirectory() as d:
+        cfg.run.out_dir = str(Path(d) / "run")
+        t2 = Trainer(cfg, "test")
+        t2.setup()
+        captured = []
+        t2.opt.step = lambda *a, **k: captured.append(
+            torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float()
+                       for p in t2.trainable]))
+        t2.train_step()  # the weights do not move (opt.step captured), as in the benchmark
+        t2.opt.zero_grad(set_to_none=True)
+        t2.iteration += 1  # as Trainer.train does between steps
+        t2.train_step()
+        t2.close()
+    assert len(captured) == 2
+    assert torch.allclose(second_grad, captured[1], rtol=1e-4, atol=1e-5 * float(captured[1].abs().max()))
