@@ -2,7 +2,7 @@
 
 import json
 
-from flowcredit.compare.report import verdict, write_report
+from flowcredit.compare.report import eval_split, verdict, write_report
 from flowcredit.compare.study import Study, StudyRun, run_dir
 
 
@@ -51,3 +51,13 @@ def test_budgeted_study_without_periodic_eval_reports_iterations_and_verdicts(tm
     assert "| 60 | 120 |" in final  # mean iterations run, training seconds
     paired = next(line for line in text.splitlines() if line.startswith("| nft | 3 | +0.1000"))
     assert "nft better; cannot tell" in paired
+
+
+def test_the_final_table_names_the_prompt_set_the_runs_were_evaluated_on():
+    def rec(prompts):
+        return {"final": {"trained": {"settings": {"prompts": prompts}}}}
+
+    assert eval_split({"a": [rec("shapes:val")], "b": [rec("shapes:val")]}) == "shapes:val"
+    assert eval_split({"a": [rec("shapes:val")], "b": [rec("shapes:test")]}) == "mixed: shapes:test, shapes:val"
+    assert eval_split({"a": [{"final": None}]}) == "shapes:test"  # nothing evaluated yet
+    assert eval_split({"a": [{"final": {"trained": {}}}]}) == "shapes:test"  # an eval.json without settings

@@ -140,7 +140,7 @@ def _header(study: Study, out: Path, command: str) -> list[str]:
             if study.eval_every
             else "; no periodic evaluations"
         )
-        + "; final eval on the full held-out split.",
+        + "; final eval on the whole of the run's eval prompts (run.eval_prompts; see the final table's title).",
         "- arms: "
         + "; ".join(f"**{r.name}** = `{r.preset} {' '.join(study.overrides + r.overrides)}`" for r in study.runs),
         "",
@@ -180,12 +180,22 @@ def _curves(study: Study, runs: dict[str, list[dict[str, Any]]], out: Path, max_
     return lines
 
 
+def eval_split(runs: dict[str, list[dict[str, Any]]]) -> str:
+    """The prompt set the runs' final evaluations used (eval.json settings), e.g. 'shapes:test'; 'mixed: a, b' if
+    they differ, 'shapes:test' when none says (older eval.json)."""
+    names = sorted({str(r["final"]["trained"].get("settings", {}).get("prompts", "shapes:test"))
+                    for rs in runs.values() for r in rs if r["final"] and "trained" in r["final"]})
+    if not names:
+        return "shapes:test"
+    return names[0] if len(names) == 1 else "mixed: " + ", ".join(names)
+
+
 def _final_tables(runs: dict[str, list[dict[str, Any]]], baseline: str) -> list[str]:
     """The final held-out evaluation per arm, then each arm paired by seed against the baseline."""
     lines: list[str] = []
     # --- final numbers ------------------------------------------------------------------------------------------
     lines += [
-        "## Final held-out evaluation (full test split)",
+        f"## Final held-out evaluation (all of {eval_split(runs)})",
         "",
         "| arm | seeds | reward (mean ± 95% CI) | strict overall | Δ reward vs initial | Δ strict vs initial | Δ "
         "strict per seed | iterations (mean) | train s (mean) |",
