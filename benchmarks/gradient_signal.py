@@ -96,6 +96,14 @@ SETS: dict[str, dict[str, Any]] = {
                             "credit.options.gae_gamma=1.0", "credit.options.gae_lambda=0.95"],
         "stepwise_t5_ema": [*STEPWISE_T5, "credit.options.norm=joint", "credit.options.baseline=ema"],
     }},
+    # VGPO's ablation (its Tab. 2) on the grpo set's rollouts: TCRM alone (adae_k = 0), ADAE alone (the anchor on
+    # sample-level credit), both (the method)
+    "vgpo_ablation": {"preset": "tiny_flow_grpo", "overrides": ["sampler.shared_noise=true"], "arms": {
+        "flow_grpo": [],
+        "vgpo": ["method=vgpo", "estimate.instant_substeps=1"],
+        "vgpo_tcrm_only": ["method=vgpo", "estimate.instant_substeps=1", "credit.options.adae_k=0"],
+        "flow_grpo_adae": ["credit.anchor=adae", "estimate.instant_substeps=1"],
+    }},
     # nft (tiny_nft: ODE rollouts, crn, 3 systematic times per sample), the credit_nft study's credit designs
     "nft": {"preset": "tiny_nft", "overrides": [], "arms": {
         "flow_grpo": [],

@@ -47,8 +47,9 @@ def test_the_gram_matrix_grows_one_iteration_at_a_time(bench):
 
 
 # ----------------------------------------------------------------------------- the trainer's gradient, exactly
-def _trainer_gradient(bench, cfg) -> torch.Tensor:
-    """The gradient `Trainer.train_step` applies in its first optimizer step (captured before the step)."""
+def _trainer_gradients(cfg, steps: int = 1) -> list[torch.Tensor]:
+    """The gradients `Trainer.train_step` applies in its first `steps` iterations (captured instead of the optimizer
+    step, so the weights stay where they are, as in the benchmark)."""
     import tempfile
     from pathlib import Path
 
@@ -62,10 +63,19 @@ def _trainer_gradient(bench, cfg) -> torch.Tensor:
         tr.opt.step = lambda *a, **k: captured.append(
             torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float()
                        for p in tr.trainable]))
-        tr.train_step()
+        for i in range(steps):
+            if i:
+                tr.opt.zero_grad(set_to_none=True)
+                tr.iteration += 1  # as Trainer.train does between steps
+            tr.train_step()
         tr.close()
-    assert len(captured) == 1
-    return captured[0]
+    assert len(captured) == steps
+    return captured
+
+
+def _trainer_gradient(bench, cfg) -> torch.Tensor:
+    """The gradient `Trainer.train_step` applies in its first optimizer step (captured before the step)."""
+    return _trainer_gradients(cfg)[0]
 
 
 @pytest.mark.parametrize("set_name, arm", [("nft", "stepwise_t1_per_step"), ("grpo", "stepwise_t1_joint")])
@@ -96,11 +106,7 @@ def test_rho_along_the_reference_counts_only_the_reference_direction(bench):
 def test_an_ema_arm_carries_its_baseline_to_the_next_iteration_as_the_trainer_does(bench, tmp_path):
     """The EMA baseline (Stepwise App. A.1) is credit state: the benchmark's second iteration must use the baseline
     the first one left, exactly as two `Trainer.train_step`s do."""
-    import tempfile
-    from pathlib import Path
-
     from flowcredit.credit.stepwise import EMA_STATE_KEY
-    from flowcredit.trainer.loop import Trainer
 
     spec = bench.SETS["stepwise_variants"]
     base = [*bench.COMMON, *spec["overrides"], *SMALL, "estimate.substeps=2"]
@@ -118,18 +124,5 @@ def test_an_ema_arm_carries_its_baseline_to_the_next_iteration_as_the_trainer_do
 
     cfg = bench.load_cfg(spec["preset"], [*base, *spec["arms"]["stepwise_t5_ema"]])
     cfg.estimate.substeps = 2
-    with tempfile.TemporaryDirectory() as d:
-        cfg.run.out_dir = str(Path(d) / "run")
-        t2 = Trainer(cfg, "test")
-        t2.setup()
-        captured = []
-        t2.opt.step = lambda *a, **k: captured.append(
-            torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float()
-                       for p in t2.trainable]))
-        t2.train_step()  # the weights do not move (opt.step captured), as in the benchmark
-        t2.opt.zero_grad(set_to_none=True)
-        t2.iteration += 1  # as Trainer.train does between steps
-        t2.train_step()
-        t2.close()
-    assert len(captured) == 2
-    assert torch.allclose(second_grad, captured[1], rtol=1e-4, atol=1e-5 * float(captured[1].abs().max()))
+    want = _trainer_gradients(cfg, steps=2)[1]
+    assert torch.allclose(second_grad, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
