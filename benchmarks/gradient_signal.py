@@ -68,10 +68,12 @@ COMMON = ["run.eval_at_end=false", "run.grid_every=0", "run.checkpoint_every=0",
           "optim.inner_epochs=1", "optim.updates_per_epoch=1", "optim.kl_beta=0", "model.trainable=modulation"]
 STEPWISE_T1 = ["method=stepwise", "estimate.substeps=1"]
 STEPWISE_T5 = ["method=stepwise", "estimate.substeps=5"]
+# the grpo rollouts (tiny_flow_grpo, one x_T per group) that the grpo, stepwise_variants and vgpo_ablation sets share
+GRPO_ROLLOUTS = {"preset": "tiny_flow_grpo", "overrides": ["sampler.shared_noise=true"]}
 SETS: dict[str, dict[str, Any]] = {
     # grpo on tiny_flow_grpo's SDE (flow_sde, a = 0.7, 3 random trained steps per sample); x_T shared within a group
     # (the stepwise/vgpo presets' rollouts: a group's ρ_0 is then one value and the gains telescope to R − const)
-    "grpo": {"preset": "tiny_flow_grpo", "overrides": ["sampler.shared_noise=true"], "arms": {
+    "grpo": {**GRPO_ROLLOUTS, "arms": {
         "flow_grpo": [],
         "stepwise_t1_joint": [*STEPWISE_T1, "credit.options.norm=joint"],
         "stepwise_t1_per_step": [*STEPWISE_T1, "credit.options.norm=per_step"],
@@ -87,7 +89,7 @@ SETS: dict[str, dict[str, Any]] = {
     }},
     # Stepwise's own design choices on the grpo set's rollouts, paired against the paper's default (T′ = 5, plain
     # gains, joint normalisation): T′ ∈ {1, 2, 3} (§6.2 / App. C.2), GAE over the gains and the EMA baseline (App. A)
-    "stepwise_variants": {"preset": "tiny_flow_grpo", "overrides": ["sampler.shared_noise=true"], "arms": {
+    "stepwise_variants": {**GRPO_ROLLOUTS, "arms": {
         "stepwise_t5_joint": [*STEPWISE_T5, "credit.options.norm=joint"],
         "stepwise_t1_joint": [*STEPWISE_T1, "credit.options.norm=joint"],
         "stepwise_t2_joint": ["method=stepwise", "estimate.substeps=2", "credit.options.norm=joint"],
@@ -98,7 +100,7 @@ SETS: dict[str, dict[str, Any]] = {
     }},
     # VGPO's ablation (its Tab. 2) on the grpo set's rollouts: TCRM alone (adae_k = 0), ADAE alone (the anchor on
     # sample-level credit), both (the method)
-    "vgpo_ablation": {"preset": "tiny_flow_grpo", "overrides": ["sampler.shared_noise=true"], "arms": {
+    "vgpo_ablation": {**GRPO_ROLLOUTS, "arms": {
         "flow_grpo": [],
         "vgpo": ["method=vgpo", "estimate.instant_substeps=1"],
         "vgpo_tcrm_only": ["method=vgpo", "estimate.instant_substeps=1", "credit.options.adae_k=0"],
