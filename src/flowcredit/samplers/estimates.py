@@ -113,6 +113,7 @@ def trajectory_estimates(
     present, supply the first substep; they must come from the same model, ``cond``/``uncond`` and guidance.
     With ``shared_initial`` (x_T shared within each group, A17) the j = 0 estimate is computed once per group and
     copied to its members; the shared x_T is checked.
+    (Over 80 lines for its arguments and the three cases above, which share one chunked loop.)
 
     Args:
         model: a FlowModel (the rollout policy).

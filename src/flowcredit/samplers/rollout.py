@@ -83,6 +83,8 @@ def rollout(
 ) -> Trajectory:
     """Sample B trajectories and record states, log-probs, velocities and the trainable-step mask.
 
+    (Over 80 lines only for its argument list: the body is one loop over the steps.)
+
     Step j is trainable (``step_mask[j]``) iff j < int(T·train_fraction) (Flow-GRPO ``timestep_fraction``, §3.2;
     int() truncation as their code) AND its std is > 0 for every sample (a deterministic step has no log-prob, A3).
 
