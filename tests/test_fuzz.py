@@ -107,7 +107,7 @@ def _leaves(preset: str) -> list[Leaf]:
     def walk(cls: type, obj: Any, path: str) -> None:
         hints = _type_hints(cls)
         fields = _init_fields(cls)
-        siblings = frozenset(f.name for f in fields) | frozenset(getattr(cls, "MOVED_KEYS", {}))
+        siblings = frozenset(f.name for f in fields)
         for f in fields:
             key = f"{path}.{f.name}" if path else f.name
             tp = hints[f.name]

@@ -26,7 +26,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-import yaml
 from pydantic import BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 from typing_extensions import Required, TypedDict
 
@@ -263,18 +262,8 @@ class _Builder:
         return self.wrong_type(key, value, tp)
 
     def unknown_key(self, cls: type, path: str, key: str, value: Any) -> ConfigError:
-        """An unknown key: an old key (class attribute ``MOVED_KEYS = {old: new or (new, ...)}``, relative to the
-        section) names its new place; any other gets the closest valid key and the valid keys of its section."""
-        moved: Mapping[str, str | tuple[str, ...]] = getattr(cls, "MOVED_KEYS", {})
+        """An unknown key: the closest valid key and the valid keys of its section."""
         sub = _join(path, key)
-        if key in moved:
-            new = moved[key]
-            targets = [_join(path, n) for n in ((new,) if isinstance(new, str) else new)]
-            shown = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
-            fix = " or ".join(f"{t}={shown}" for t in targets)
-            return self.error(sub, f"is an old key: it is now {' or '.join(targets)} (options belong to the "
-                              "implementation that reads them; flowcredit train --help-config lists them); "
-                              f"write {fix}")
         names = [f.name for f in _init_fields(cls)]
         close = difflib.get_close_matches(key, names, n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
@@ -380,9 +369,9 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, *, source: SourceMap
     """Build the nested dataclass `cls` from nested mappings (not modified; missing keys take the defaults).
 
     `source` says where the values came from: a map dotted key -> "file.yaml:LINE" / "override 'a.b=c'" (the line
-    map of `load_yaml`), or one string for all values. ConfigError: an unknown key (with a suggestion, or the new
-    place of an old key), a wrong type, a value outside a Literal or its range, a missing required key, two linked
-    keys that contradict each other, or a ``__post_init__`` ValueError (re-raised naming the section).
+    map of `load_yaml`), or one string for all values. ConfigError: an unknown key (with a suggestion), a wrong
+    type, a value outside a Literal or its range, a missing required key, two linked keys that contradict each other,
+    or a ``__post_init__`` ValueError (re-raised naming the section).
     """
     if not (dataclasses.is_dataclass(cls) and isinstance(cls, type)):
         raise TypeError(f"from_dict needs a dataclass type, got {cls!r}")

@@ -20,7 +20,7 @@ the anchor) stays a common field here. The schema is owned by `config` (which im
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from .build import check_ranges
 from .fields import _h
@@ -30,24 +30,6 @@ from .registry import options_field
 @dataclass
 class CreditCfg:
     """The credit section: the estimator, its options and the knobs shared by every estimator."""
-
-    # The flat keys of the old single CreditCfg and where they live now (config/build.py: one-line error naming them).
-    MOVED_KEYS: ClassVar[dict[str, str | tuple[str, ...]]] = {
-        "std_scope": "options.std_scope",
-        "stepwise_norm": "options.norm",
-        "stepwise_baseline": "options.baseline",
-        "ema_decay": "options.ema_decay",
-        "use_gae": "options.use_gae",
-        "gae_gamma": "options.gae_gamma",
-        "gae_lambda": "options.gae_lambda",
-        "vgpo_gamma": ("options.gamma", "anchor_options.gamma"),
-        "vgpo_weights": ("options.weights", "anchor_options.weights"),
-        "vgpo_weights_degenerate": ("options.weights_degenerate", "anchor_options.weights_degenerate"),
-        "reward_shift": ("options.reward_shift", "anchor_options.reward_shift"),
-        "adae_k": ("options.adae_k", "anchor_options.adae_k"),
-        "adae_steps": ("options.adae_steps", "anchor_options.adae_steps"),
-        "adae_norm": ("options.adae_norm", "anchor_options.adae_norm"),
-    }
 
     name: str = _h("flow_grpo", "Credit method (registry flowcredit.credit.registry: flow_grpo, stepwise, vgpo; see "
         "--help-config) or a 'package.module:function' path to a function (inp, opts, cfg) -> CreditOutput.")

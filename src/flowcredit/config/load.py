@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import sys
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -40,7 +39,7 @@ from . import files
 from .annotations import _default, _has_default, _init_fields, _is_union, _type_hints, _type_name
 from .build import check_ranges, from_dict, range_text
 from .files import list_presets, load_yaml
-from .keys import ConfigError, _display_path, _is_under, _join
+from .keys import ConfigError, _is_under, _join
 from .overrides import _apply_overrides, apply_overrides
 
 __all__ = ["ConfigError", "apply_overrides", "check_ranges", "describe", "dump_yaml", "fields_without_help",
@@ -51,12 +50,11 @@ T = TypeVar("T")
 
 
 def load_config(cls: type[T], path_or_name: str | os.PathLike | None = None, overrides: Iterable[str] = (),
-                preset_dirs: Iterable[str | os.PathLike] = (), migrate: bool = False) -> T:
+                preset_dirs: Iterable[str | os.PathLike] = ()) -> T:
     """YAML file or preset (if any) + ``key=value`` overrides -> validated dataclass `cls`.
 
     `path_or_name` is a YAML path, or a preset name looked up as ``<dir>/<name>.yaml`` in `preset_dirs` (None: the
-    defaults). `migrate`: the file is a resolved config written by an older version (a run's config.yaml): its old
-    flat keys move to their new places first (`registry.migrate_moved_keys`; one stderr note per key).
+    defaults).
     ConfigError: see `load_yaml`, `apply_overrides` and `from_dict`; an unknown preset lists the available ones.
     """
     preset_dirs = list(preset_dirs)
@@ -74,13 +72,6 @@ def load_config(cls: type[T], path_or_name: str | os.PathLike | None = None, ove
                               + (f" or a preset name ({', '.join(list_presets(preset_dirs))})" if preset_dirs else ""),
                               source=os.fspath(path_or_name))
         data, sources = load_yaml(path, preset_dirs=preset_dirs)
-        if migrate:
-            from .registry import migrate_moved_keys
-
-            data, notes = migrate_moved_keys(cls, data)
-            if notes:
-                print(f"note: {_display_path(path)} was written by an older flowcredit; read with {'; '.join(notes)}",
-                      file=sys.stderr)
     data, overrides = _section_names(cls, data, list(overrides))
     data, override_sources = _apply_overrides(data, overrides)
     for key in override_sources:  # an override replaces the whole subtree the file had set

@@ -173,32 +173,6 @@ def with_full_options(data: Any, cls: type) -> Any:
     return out
 
 
-def migrate_moved_keys(cls: type, data: Any, path: str = "") -> tuple[Any, list[str]]:
-    """A fully resolved config written by an older flowcredit (a run's config.yaml, for `resume=`): every old flat
-    key of a section (its class's ``MOVED_KEYS``) moves into the options of the implementation that reads it, and is
-    dropped when the section's implementation has no such option (the old flat schema carried every method's knobs;
-    the others were never read). Returns (the migrated data, one note per key). User-written configs are not
-    migrated: an old key there is an error naming the new one (config/build.py)."""
-    if not isinstance(data, Mapping) or not (dataclasses.is_dataclass(cls) and isinstance(cls, type)):
-        return data, []
-    out, notes, fields = dict(data), [], {f.name: f for f in _init_fields(cls)}
-    moved: Mapping[str, str | tuple[str, ...]] = getattr(cls, "MOVED_KEYS", {})
-    for old in [k for k in out if k in moved and k not in fields]:
-        value, placed, new = out.pop(old), None, moved[old]
-        for target in (new,) if isinstance(new, str) else new:
-            opt_field, _, key = target.partition(".")
-            spec = _spec_of(out, fields.get(opt_field), fields)
-            if spec is not None and key in {g.name for g in _init_fields(spec.options)}:
-                out[opt_field], placed = {**dict(out.get(opt_field) or {}), key: value}, f"{path}{target}"
-                break
-        notes.append(f"{path}{old} → {placed}" if placed else f"{path}{old} dropped (not read by this config)")
-    for name in fields:
-        if isinstance(out.get(name), Mapping):
-            out[name], sub = migrate_moved_keys(_type_hints(cls)[name], out[name], f"{path}{name}.")
-            notes += sub
-    return out, notes
-
-
 def options_field(registry_key: str, help: str, *, name_field: str = "name") -> Any:
     """The `options` field of a `{name, options}` config section: a mapping checked against the options dataclass of
     the implementation named by the sibling field `name_field`, in registry `registry_key`."""

@@ -52,8 +52,7 @@ def resolve_train_config(args: list[str]) -> tuple[TrainConfig, str]:
                 source=str(run_dir / "config.yaml"),
             )
         overrides = [o for o in overrides if not o.startswith("resume=")] + [f"run.out_dir={run_dir}"]
-        # migrate=True: a run started by an older flowcredit resumes (its old flat option keys are moved)
-        cfg = load_config(TrainConfig, str(run_dir / "config.yaml"), overrides, preset_dirs=[PRESET_DIR], migrate=True)
+        cfg = load_config(TrainConfig, str(run_dir / "config.yaml"), overrides, preset_dirs=[PRESET_DIR])
         return cfg, run_dir.name
     if presets:
         preset = presets[0]

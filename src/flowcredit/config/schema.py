@@ -10,7 +10,7 @@ they state the arithmetic.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from .build import check_values
 from .credit import CreditCfg
@@ -21,13 +21,6 @@ from .run import DistCfg, FaultsCfg, RunCfg
 
 @dataclass
 class ModelCfg:
-    # family-specific knobs were flat keys; they are the options of the family that reads them now
-    MOVED_KEYS: ClassVar[dict[str, str]] = {
-        "resolution": "options.resolution",
-        "max_sequence_length": "options.max_sequence_length",
-        "embedded_guidance": "options.embedded_guidance",
-    }
-
     name: str = _h("tiny", "Model family (registry flowcredit.models.factory.MODELS): the built-in tiny shapes model, "
         "sd3 (SD3/SD3.5) or flux (FLUX.1), both through diffusers; see --help-config.")
     path: str | None = _h(None, "Weights: a .safetensors file (tiny) or a local diffusers folder; null = the shipped "
@@ -63,9 +56,6 @@ class SamplerParams:
     sampler's own options. The base of SamplerCfg, so the config's `sampler:` section IS the step parameters (one
     definition); `samplers.sde.SamplerParams` is this class. Built in code: ``SamplerParams("ddim_sde",
     options={"sigma": "eta_s"})``."""
-
-    # the ddim_sde knobs were flat keys; they are the options of the ddim_sde sampler now
-    MOVED_KEYS: ClassVar[dict[str, str]] = {"ddim_sigma": "options.sigma", "ddim_coef": "options.coef"}
 
     name: str = _h("flow_sde", "Rollout sampler (registry flowcredit.samplers.sde.SAMPLERS, ALGORITHMS.md §2): "
         "Flow-GRPO's flow_sde, Stepwise's ddim_sde, Flow-CPS cps, or ode; see --help-config.")

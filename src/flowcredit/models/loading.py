@@ -94,20 +94,11 @@ def load_any_model(path: str | None, precision: str = "fp32", use_ema: bool = Tr
 
 
 def model_cfg_from_checkpoint(st: dict[str, Any]) -> ModelCfg:
-    """The ModelCfg an sd3/flux trainer checkpoint recorded (`model_config`), with a checkpoint written before
-    `model.options` read as well (its flat family options moved into `options`)."""
+    """The ModelCfg an sd3/flux trainer checkpoint recorded (`model_config`: the fields of ModelCfg)."""
     from ..config.schema import ModelCfg
 
     mc = dict(st["model_config"])
-    options = dict(mc.get("options") or {})
-    for k, v in mc.items():  # a checkpoint written before model.options: its flat family options
-        moved = ModelCfg.MOVED_KEYS.get(k)
-        if moved is not None and v is not None and k not in options:
-            options[moved.removeprefix("options.")] = v
-    if mc.get("name") == "sd3":
-        options.pop("embedded_guidance", None)  # a FLUX-only field the old flat ModelCfg carried for every family
-    fields = {k: v for k, v in mc.items() if k in ModelCfg.__dataclass_fields__ and k != "options"}
-    return ModelCfg(**fields, options=options)
+    return ModelCfg(**{k: v for k, v in mc.items() if k in ModelCfg.__dataclass_fields__})
 
 
 def load_trained_weights(model, st: dict[str, Any], ck: Path, name: str, use_ema: bool = True) -> bool:
@@ -332,8 +323,7 @@ def resolve_model_source(
         cfg = load_config(TrainConfig, None, overrides)
         return ModelSource("tiny", cfg, checkpoint=ck or p, use_ema=use_ema, legacy_tiny=precision or "fp32")
     if config_yaml is not None:
-        # migrate=True: a run written by an older flowcredit (its old flat option keys are moved, with a note)
-        cfg = load_config(TrainConfig, str(config_yaml), overrides, preset_dirs=[PRESET_DIR], migrate=True)
+        cfg = load_config(TrainConfig, str(config_yaml), overrides, preset_dirs=[PRESET_DIR])
         src = ModelSource(family, cfg, from_run=True, run=run, checkpoint=ckpt.resolve(p), use_ema=use_ema,
                           path_from_run="model.path" not in model_keys)
         return finish(src)
